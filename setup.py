@@ -1,0 +1,78 @@
+"""Builds torch_kvops._C: CPU sources always, CUDA when torch has CUDA and nvcc is
+found, NPU when torch_npu and the CANN toolkit are found."""
+import glob
+import os
+import shutil
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def sources(*patterns):
+    return sorted(p for pat in patterns for p in glob.glob(os.path.join("csrc", pat)))
+
+
+def cuda_available():
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if os.environ.get("KVOPS_DISABLE_CUDA") == "1":
+        return False
+    return torch.version.cuda is not None and CUDA_HOME is not None and (
+        shutil.which("nvcc") or os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")))
+
+
+def npu_available():
+    if os.environ.get("KVOPS_DISABLE_NPU") == "1":
+        return False
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return False
+    return bool(os.environ.get("ASCEND_TOOLKIT_HOME") or os.environ.get("ASCEND_HOME_PATH"))
+
+
+def make_extension():
+    srcs = sources("torch_bindings.cpp", "core/*.cpp", "cpu/*.cpp")
+    cxx = ["-O3"]
+    macros = []
+    with_cuda, with_npu = cuda_available(), npu_available()
+    macros.append(("KVOPS_WITH_CUDA", "1" if with_cuda else "0"))
+    macros.append(("KVOPS_WITH_NPU", "1" if with_npu else "0"))
+    if with_npu:
+        import torch_npu
+
+        ascend = os.environ.get("ASCEND_TOOLKIT_HOME") or os.environ["ASCEND_HOME_PATH"]
+        npu_root = os.path.dirname(torch_npu.__file__)
+        srcs += sources("npu/*.cpp")
+        # aclrtMemcpyBatchAsync exists from CANN 8.5; KVOPS_NPU_BATCH_MEMCPY=0/1 overrides.
+        batch = os.environ.get("KVOPS_NPU_BATCH_MEMCPY")
+        if batch is None:
+            header = os.path.join(ascend, "include", "acl", "acl_rt.h")
+            batch = "1" if os.path.exists(header) and "aclrtMemcpyBatchAsync" in open(header).read() else "0"
+        macros.append(("KVOPS_NPU_BATCH_MEMCPY", batch))
+        return CppExtension(
+            "torch_kvops._C", srcs, define_macros=macros,
+            include_dirs=[os.path.join(ascend, "include"), os.path.join(npu_root, "include")],
+            library_dirs=[os.path.join(ascend, "lib64"), os.path.join(npu_root, "lib")],
+            libraries=["ascendcl", "torch_npu"], extra_compile_args={"cxx": cxx})
+    if with_cuda:
+        srcs += sources("cuda/*.cu")
+        return CUDAExtension(
+            "torch_kvops._C", srcs, define_macros=macros,
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]})
+    return CppExtension("torch_kvops._C", srcs, define_macros=macros,
+                        extra_compile_args={"cxx": cxx})
+
+
+setup(
+    name="torch_kvops",
+    version="0.1.0",
+    description="Batched KV-cache block copies and layer-wise KV transfer for PyTorch",
+    packages=find_packages(include=["torch_kvops", "torch_kvops.*"]),
+    ext_modules=[make_extension()],
+    cmdclass={"build_ext": BuildExtension},
+    python_requires=">=3.9",
+)

@@ -1,0 +1,60 @@
+"""LayerEvents: per-layer completion events and the ready queue the sender reads."""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from . import _C
+
+
+class LayerEvents:
+    """One completion event per layer on ``device`` plus a host-side ready queue.
+
+    Model code calls ``record_layer_event(kv_cache, events.handle, i)`` and
+    ``push_layer(kv_cache, events.handle, i)`` after writing layer ``i``'s KV cache;
+    a sender thread calls :meth:`next_ready` then :meth:`wait` and moves the layer's
+    blocks once the device has finished writing them. Waiting polls the layer's own
+    event: it never synchronizes a stream or the device. Blocking calls release the
+    GIL. ``handle`` is a plain ``int`` so it is a constant inside compiled graphs.
+    """
+
+    def __init__(self, num_layers: int, device: Union[str, torch.device] = "cpu") -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.num_layers = int(num_layers)
+        self.handle: int = _C.layer_events_create(self.num_layers, str(self.device))
+        self._closed = False
+
+    def next_ready(self, timeout: Optional[float] = None) -> Optional[int]:
+        """Oldest pushed layer, or ``None`` if ``timeout`` seconds pass (or the pool is
+        closed) first. ``timeout=None`` waits until a push or :meth:`close`."""
+        return _C.layer_events_next_ready(self.handle, timeout)
+
+    def wait(self, layer: int, timeout: Optional[float] = None) -> bool:
+        """Block until the latest record of ``layer`` completed on the device. Returns
+        ``False`` on timeout or close. Only meaningful for a layer whose record was
+        issued for the current step: take layers from :meth:`next_ready`."""
+        return _C.layer_events_wait(self.handle, layer, timeout)
+
+    def close(self) -> None:
+        """Wake every waiter, drop queued layers and free the handle. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            _C.layer_events_close(self.handle)
+
+    def __enter__(self) -> "LayerEvents":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the extension may be gone already
+            pass
+
+    def __repr__(self) -> str:
+        return f"LayerEvents(num_layers={self.num_layers}, device={self.device}, handle={self.handle})"
