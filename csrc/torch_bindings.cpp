@@ -66,6 +66,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("layer_events_wait", &wait_layer, py::arg("handle"), py::arg("layer"), py::arg("timeout"),
         py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "layer_events_bind",
+      [](int64_t handle, int64_t layer, const at::Tensor& kv_cache) {
+        kvops::get_layer_event_pool(handle, layer, kv_cache.device())->bind(layer, kv_cache.data_ptr());
+      },
+      py::arg("handle"), py::arg("layer"), py::arg("kv_cache"));
   m.def("layer_events_close", &kvops::close_layer_event_pool, py::arg("handle"),
         py::call_guard<py::gil_scoped_release>());
   m.def("build_info", &build_info);

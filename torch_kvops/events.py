@@ -27,6 +27,12 @@ class LayerEvents:
         self.handle: int = _C.layer_events_create(self.num_layers, str(self.device))
         self._closed = False
 
+    def bind(self, layer: int, kv_cache: torch.Tensor) -> None:
+        """Declare the tensor that holds ``layer``'s KV cache. The ops then reject any
+        other tensor for that layer: inside a compiled graph that would be a temporary
+        copy of the cache, written back only after the layer was already sent."""
+        _C.layer_events_bind(self.handle, layer, kv_cache)
+
     def next_ready(self, timeout: Optional[float] = None) -> Optional[int]:
         """Oldest pushed layer, or ``None`` if ``timeout`` seconds pass (or the pool is
         closed) first. ``timeout=None`` waits until a push or :meth:`close`."""

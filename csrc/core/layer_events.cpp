@@ -34,7 +34,31 @@ class CpuEvents final : public DeviceEvents {
 
 LayerEventPool::LayerEventPool(int64_t handle, int64_t num_layers, c10::Device device,
                                std::unique_ptr<DeviceEvents> events)
-    : handle_(handle), num_layers_(num_layers), device_(device), events_(std::move(events)) {}
+    : handle_(handle),
+      num_layers_(num_layers),
+      device_(device),
+      events_(std::move(events)),
+      bound_ptrs_(new std::atomic<uintptr_t>[num_layers]) {
+  for (int64_t i = 0; i < num_layers; ++i) bound_ptrs_[i].store(0);
+}
+
+void LayerEventPool::bind(int64_t layer, const void* data_ptr) {
+  TORCH_CHECK(layer >= 0 && layer < num_layers_, "LayerEvents.bind: layer ", layer,
+              " is out of range for ", num_layers_, " layers");
+  bound_ptrs_[layer].store(reinterpret_cast<uintptr_t>(data_ptr));
+}
+
+void LayerEventPool::check_binding(int64_t layer, const void* data_ptr) const {
+  const uintptr_t bound = bound_ptrs_[layer].load();
+  TORCH_CHECK(bound == 0 || bound == reinterpret_cast<uintptr_t>(data_ptr),
+              "LayerEvents: layer ", layer, " of handle ", handle_, " is bound to the KV cache at 0x",
+              std::hex, bound, " but the op received a tensor at 0x",
+              reinterpret_cast<uintptr_t>(data_ptr), std::dec,
+              ". Under torch.compile this means the graph works on a temporary copy of the "
+              "cache and writes it back only at the end, so the layer would be sent stale: "
+              "write the KV cache with an in-place scatter (index_copy_/index_put_) on the "
+              "cache tensor itself, or pass the cache tensor that was registered.");
+}
 
 void LayerEventPool::push(int64_t layer) {
   {
@@ -140,6 +164,13 @@ std::shared_ptr<LayerEventPool> get_layer_event_pool(int64_t handle, int64_t lay
     TORCH_CHECK(*device == pool->device(), "LayerEvents: handle ", handle, " lives on ",
                 pool->device(), " but kv_cache is on ", *device);
   }
+  return pool;
+}
+
+std::shared_ptr<LayerEventPool> pool_for_op(const at::Tensor& kv_cache, int64_t handle,
+                                            int64_t layer) {
+  auto pool = get_layer_event_pool(handle, layer, kv_cache.device());
+  pool->check_binding(layer, kv_cache.data_ptr());
   return pool;
 }
 

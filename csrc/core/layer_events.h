@@ -6,6 +6,7 @@
 // can run inside a CUDA host callback on every graph replay.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
 #include <atomic>
@@ -45,6 +46,11 @@ class LayerEventPool {
   bool wait(int64_t layer, double timeout_s);
   void close();
   bool closed();
+  // Binding a layer to its KV cache's address lets the ops catch a compiled graph
+  // that hands them a temporary copy instead of the cache (the real cache would be
+  // written back only at the end of the graph, after the layer was already sent).
+  void bind(int64_t layer, const void* data_ptr);
+  void check_binding(int64_t layer, const void* data_ptr) const;
   uint64_t pushes() const { return pushes_.load(); }
 
  private:
@@ -57,6 +63,7 @@ class LayerEventPool {
   std::deque<int64_t> ready_;
   bool closed_ = false;
   std::atomic<uint64_t> pushes_{0};
+  std::unique_ptr<std::atomic<uintptr_t>[]> bound_ptrs_;  // 0 = not bound
 };
 
 using DeviceEventsFactory =
@@ -68,6 +75,10 @@ int64_t create_layer_event_pool(int64_t num_layers, c10::Device device);
 // a tensor on another device than the pool's.
 std::shared_ptr<LayerEventPool> get_layer_event_pool(int64_t handle, int64_t layer,
                                                      std::optional<c10::Device> device);
+// The lookup every op does: pool of `handle`, `layer` in range, kv_cache on the pool's
+// device and at the address bound to `layer` (if bound).
+std::shared_ptr<LayerEventPool> pool_for_op(const at::Tensor& kv_cache, int64_t handle,
+                                            int64_t layer);
 // Non-throwing lookup for host callbacks: nullptr when the pool is gone.
 std::shared_ptr<LayerEventPool> find_layer_event_pool(int64_t handle);
 void close_layer_event_pool(int64_t handle);

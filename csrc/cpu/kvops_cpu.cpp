@@ -63,11 +63,11 @@ void swap_blocks_batch_ptrs_cpu(const at::Tensor& src_ptrs, const at::Tensor& ds
 }
 
 void record_layer_event_cpu(const at::Tensor& kv_cache, int64_t handle, int64_t layer) {
-  get_layer_event_pool(handle, layer, kv_cache.device());
+  pool_for_op(kv_cache, handle, layer);
 }
 
 void push_layer_cpu(const at::Tensor& kv_cache, int64_t handle, int64_t layer) {
-  get_layer_event_pool(handle, layer, kv_cache.device())->push(layer);
+  pool_for_op(kv_cache, handle, layer)->push(layer);
 }
 
 }  // namespace

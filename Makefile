@@ -1,0 +1,38 @@
+# Two commands matter on a fresh machine: `make demo` and `make test`.
+# Each sets up what it needs (venv, torch 2.13.0, Mooncake, the extension build).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SOURCES := $(shell find csrc -type f) setup.py
+
+.PHONY: setup build test test-gpu demo bench cuda-check clean
+
+setup: $(VENV)/.ready
+
+$(VENV)/.ready: scripts/setup_env.sh requirements-dev.txt
+	VENV=$(VENV) bash scripts/setup_env.sh
+
+build: setup torch_kvops/.built
+
+torch_kvops/.built: $(SOURCES)
+	MAX_JOBS=2 $(PY) setup.py -q build_ext --inplace
+	touch $@
+
+test: build
+	$(PY) -m pytest -q tests
+
+# GPU-only tests; run where a CUDA device exists (not in CI: CI has no GPU).
+test-gpu: build
+	$(PY) -m pytest -q tests_gpu
+
+demo: build
+	$(PY) -m torch_kvops.demo
+
+bench: build
+	$(PY) -m torch_kvops.bench
+
+# Compiles and links the CUDA backend against the CUDA build of torch on a CPU-only machine.
+cuda-check: setup
+	VENV=$(VENV) bash scripts/check_cuda_build.sh
+
+clean:
+	rm -rf build torch_kvops/_C*.so torch_kvops/.built

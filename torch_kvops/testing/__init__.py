@@ -1,0 +1,1 @@
+"""Test and demo helpers (a small paged-KV Llama model); not imported by ``torch_kvops``."""
