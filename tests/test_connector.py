@@ -1,0 +1,277 @@
+"""LayerwiseConnector between real processes over the real Mooncake engine (TCP, loopback)."""
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
+
+from peer_process import ConsumerProcess
+
+LAYERS, BLOCKS, BLOCK_SHAPE = 4, 64, (2, 8, 16)  # 1 KiB blocks
+FAST = dict(transfer_timeout_s=3.0, max_retries=1, retry_backoff_s=0.02, lease_s=10.0,
+            control_timeout_s=2.0, quarantine_s=0.1)
+
+
+@pytest.fixture
+def consumer():
+    proc = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **FAST)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def producer():
+    transport = MooncakeTransport(host="127.0.0.1")
+    caches = [torch.zeros(BLOCKS, *BLOCK_SHAPE) for _ in range(LAYERS)]
+    conn = LayerwiseConnector("producer", transport, ConnectorConfig(**FAST))
+    conn.register_kv_caches(caches)
+    yield conn, caches
+    conn.close()
+    transport.close()
+
+
+def forward(conn, caches, blocks, seed):
+    """Stand-in for a model forward: write each layer's new KV blocks, then hook."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.tensor(blocks, dtype=torch.long)
+    for layer, cache in enumerate(caches):
+        cache.index_copy_(0, idx, torch.randn(len(blocks), *BLOCK_SHAPE, generator=gen))
+        conn.save_kv_layer(layer, cache)
+
+
+def assert_landed(received, caches, pairs, untouched_value=-7.0):
+    written = np.zeros(BLOCKS, dtype=bool)
+    for src, dst in pairs:
+        written[dst] = True
+        for layer in range(LAYERS):
+            assert np.array_equal(received[layer][dst], caches[layer][src].numpy()), (layer, src, dst)
+    for layer in range(LAYERS):
+        assert (received[layer][~written] == untouched_value).all(), "bytes outside the mapping changed"
+
+
+def test_requests_and_chunked_prefill_land_byte_exact(consumer, producer):
+    conn, caches = producer
+    peer = conn.add_peer(consumer.info)
+    step1 = [TransferRequest("a", peer, [0, 1, 2], [10, 11, 12]),
+             TransferRequest("b", peer, [5, 9], [3, 40]),
+             TransferRequest("c", peer, [20, 21], [50, 51], last_chunk=False)]
+    conn.start_step(step1)
+    forward(conn, caches, [0, 1, 2, 5, 9, 20, 21], seed=1)
+    conn.wait_for_save(timeout=30)
+    finished, failed, _ = consumer.call("wait", ["a", "b", "c"], 1.0)
+    assert finished == {"a", "b"} and not failed, "c must wait for its last chunk"
+
+    conn.start_step([TransferRequest("c", peer, [22], [52], last_chunk=True)])
+    forward(conn, caches, [22], seed=2)
+    conn.wait_for_save(timeout=30)
+    finished, failed, _ = consumer.call("wait", ["c"], 10.0)
+    assert finished == {"c"} and not failed
+
+    received = consumer.call("caches")
+    assert_landed(received, caches, [(0, 10), (1, 11), (2, 12), (5, 3), (9, 40),
+                                     (20, 50), (21, 51), (22, 52)])
+    done, bad = set(), set()
+    deadline = time.monotonic() + 5
+    while done != {"a", "b", "c"} and time.monotonic() < deadline:
+        f, x = conn.get_finished()
+        done |= f
+        bad |= x
+    assert done == {"a", "b", "c"} and not bad
+    stats = conn.stats()
+    assert stats["bytes_sent"] == 8 * LAYERS * 1024 and stats["requests_finished"] == 3
+    assert stats["layers_sent"] == 2 * LAYERS and len(stats["layer_wait_s_mean"]) == LAYERS
+
+
+def test_thousands_of_fragmented_blocks_arrive_intact():
+    layers, blocks, shape = 2, 8192, (64,)  # 256-byte blocks, 3000 fragmented per layer
+    consumer = ConsumerProcess(layers, blocks, shape, **FAST)
+    transport = MooncakeTransport(host="127.0.0.1")
+    try:
+        caches = [torch.randn(blocks, *shape) for _ in range(layers)]
+        with LayerwiseConnector("producer", transport, ConnectorConfig(**FAST)) as conn:
+            conn.register_kv_caches(caches)
+            peer = conn.add_peer(consumer.info)
+            rng = np.random.default_rng(0)
+            src = rng.choice(blocks, 3000, replace=False)
+            dst = rng.choice(blocks, 3000, replace=False)
+            conn.start_step([TransferRequest("frag", peer, src.tolist(), dst.tolist())])
+            for layer, cache in enumerate(caches):
+                conn.save_kv_layer(layer, cache)
+            conn.wait_for_save(timeout=60)
+            finished, failed, _ = consumer.call("wait", ["frag"], 30.0)
+            assert finished == {"frag"}, (finished, failed)
+            received = consumer.call("caches")
+            for layer in range(layers):
+                assert np.array_equal(received[layer][dst], caches[layer][src].numpy())
+                untouched = np.ones(blocks, dtype=bool)
+                untouched[dst] = False
+                assert (received[layer][untouched] == -7.0).all()
+    finally:
+        consumer.stop()
+        transport.close()
+
+
+def test_killed_consumer_fails_only_its_requests(producer):
+    conn, caches = producer
+    alive, doomed = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **FAST), \
+        ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **FAST)
+    try:
+        p_alive, p_doomed = conn.add_peer(alive.info), conn.add_peer(doomed.info)
+        conn.start_step([TransferRequest("x1", p_alive, [0], [0]), TransferRequest("y1", p_doomed, [1], [1])])
+        forward(conn, caches, [0, 1], seed=3)
+        conn.wait_for_save(timeout=30)
+        doomed.kill()
+        started = time.monotonic()
+        conn.start_step([TransferRequest("x2", p_alive, [2, 3], [2, 3]),
+                         TransferRequest("y2", p_doomed, [4], [4])])
+        forward(conn, caches, [2, 3, 4], seed=4)
+        conn.wait_for_save(timeout=60)
+        elapsed = time.monotonic() - started
+        bound = (FAST["max_retries"] + 1) * (FAST["transfer_timeout_s"] + 1) + 2
+        assert elapsed < bound, f"dead peer held the step for {elapsed:.1f} s"
+        finished, failed = set(), set()
+        deadline = time.monotonic() + 5
+        while "y2" not in failed and time.monotonic() < deadline:
+            f, x = conn.get_finished()
+            finished |= f
+            failed |= x
+            time.sleep(0.01)
+        assert {"x1", "y1", "x2"} <= finished and failed == {"y2"}
+        # The producer keeps serving the live consumer.
+        conn.start_step([TransferRequest("x3", p_alive, [5], [5]), TransferRequest("y3", p_doomed, [6], [6])])
+        forward(conn, caches, [5, 6], seed=5)
+        conn.wait_for_save(timeout=30)
+        got, _, _ = alive.call("wait", ["x1", "x2", "x3"], 10.0)
+        assert got == {"x1", "x2", "x3"}
+        received = alive.call("caches")
+        for layer in range(LAYERS):
+            for b in (0, 2, 3, 5):
+                assert np.array_equal(received[layer][b], caches[layer][b].numpy())
+    finally:
+        alive.stop()
+        doomed.kill()
+
+
+def test_bad_plans_are_rejected_before_anything_is_sent(consumer, producer):
+    conn, caches = producer
+    peer = conn.add_peer(consumer.info)
+    conn.start_step([TransferRequest("held", peer, [0], [0], last_chunk=False)])
+    forward(conn, caches, [0], seed=6)
+    conn.wait_for_save(timeout=30)
+    sent_before = conn.stats()["bytes_sent"]
+    bad_plans = {
+        "unknown peer": [TransferRequest("r", "nobody", [1], [1])],
+        "length mismatch": [TransferRequest("r", peer, [1, 2], [1])],
+        "source out of range": [TransferRequest("r", peer, [BLOCKS], [1])],
+        "negative source": [TransferRequest("r", peer, [-1], [1])],
+        "destination out of range": [TransferRequest("r", peer, [1], [BLOCKS + 5])],
+        "duplicate destination": [TransferRequest("r", peer, [1, 2], [7, 7])],
+        "duplicate destination across requests": [TransferRequest("r", peer, [1], [7]),
+                                                  TransferRequest("s", peer, [2], [7])],
+        "request twice in a step": [TransferRequest("r", peer, [1], [7]), TransferRequest("r", peer, [2], [8])],
+    }
+    for name, plan in bad_plans.items():
+        with pytest.raises(ValueError):
+            conn.start_step(plan)
+    other = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **FAST)
+    try:
+        other_peer = conn.add_peer(other.info)
+        with pytest.raises(ValueError, match="in flight"):
+            conn.start_step([TransferRequest("held", other_peer, [1], [1])])
+    finally:
+        other.stop()
+    assert conn.stats()["bytes_sent"] == sent_before
+    received = consumer.call("caches")
+    for layer in range(LAYERS):
+        assert (received[layer][1:] == -7.0).all()
+
+
+def test_incompatible_peer_layout_rejected(producer):
+    conn, _ = producer
+    other = ConsumerProcess(LAYERS, BLOCKS, (2, 8, 8), **FAST)
+    try:
+        with pytest.raises(ValueError, match="bytes"):
+            conn.add_peer(other.info)
+    finally:
+        other.stop()
+
+
+def test_close_during_a_step_reports_unfinished_requests_failed(consumer):
+    transport = MooncakeTransport(host="127.0.0.1")
+    caches = [torch.zeros(BLOCKS, *BLOCK_SHAPE) for _ in range(LAYERS)]
+    conn = LayerwiseConnector("producer", transport, ConnectorConfig(**FAST))
+    conn.register_kv_caches(caches)
+    peer = conn.add_peer(consumer.info)
+    conn.start_step([TransferRequest("cut", peer, [0, 1], [0, 1])])
+    conn.save_kv_layer(0, caches[0])  # the rest of the forward never happens
+    threads_before = {t.name for t in threading.enumerate()}
+    assert "kvops-sender" in threads_before
+    conn.close(timeout=10)
+    assert "kvops-sender" not in {t.name for t in threading.enumerate()}
+    finished, failed = conn.get_finished()
+    assert failed == {"cut"} and not finished
+    _, consumer_failed, _ = consumer.call("wait", ["cut"], 5.0)
+    assert consumer_failed == {"cut"}
+    transport.close()
+
+
+def test_consumer_lease_expires_for_a_request_that_never_arrives():
+    proc = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **dict(FAST, lease_s=0.5))
+    try:
+        proc.call("expect", ["ghost"])
+        started = time.monotonic()
+        finished, failed, _ = proc.call("wait", ["ghost"], 5.0)
+        assert failed == {"ghost"} and not finished
+        assert time.monotonic() - started < 3.0
+    finally:
+        proc.stop()
+
+
+class TinyModel(torch.nn.Module):
+    """Each layer projects the hidden state into K/V, scatters it into its cache
+    in place, and calls the connector hook."""
+
+    def __init__(self, conn, caches):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.ModuleList(torch.nn.Linear(32, 2 * 8 * 16) for _ in range(LAYERS))
+        self.conn, self.caches = conn, caches
+
+    def forward(self, x, slots):
+        for layer, cache in enumerate(self.caches):
+            kv = self.proj[layer](x).view(-1, *BLOCK_SHAPE)
+            cache.index_copy_(0, slots, kv)
+            self.conn.save_kv_layer(layer, cache)
+            x = torch.relu(x + kv.view(x.shape[0], -1)[:, :32])
+        return x
+
+
+def test_compiled_model_forward_pushes_the_same_bytes_as_eager(consumer, producer):
+    conn, caches = producer
+    peer = conn.add_peer(consumer.info)
+    model = TinyModel(conn, caches)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        conn.start_step([TransferRequest("eager", peer, [0, 1, 2, 3], [0, 1, 2, 3])])
+        model(x, torch.tensor([0, 1, 2, 3]))
+        conn.wait_for_save(timeout=30)
+        eager_cache = [c.clone() for c in caches]
+        conn.start_step([TransferRequest("compiled", peer, [8, 9, 10, 11], [8, 9, 10, 11])])
+        compiled(x, torch.tensor([8, 9, 10, 11]))
+        conn.wait_for_save(timeout=30)
+    assert counter.frame_count == 1
+    finished, failed, _ = consumer.call("wait", ["eager", "compiled"], 10.0)
+    assert finished == {"eager", "compiled"}
+    received = consumer.call("caches")
+    for layer in range(LAYERS):
+        # byte-exact against what the producer holds, and the same values as eager
+        assert np.array_equal(received[layer][8:12], caches[layer][8:12].numpy())
+        assert np.array_equal(received[layer][0:4], eager_cache[layer][0:4].numpy())
+        np.testing.assert_allclose(received[layer][8:12], received[layer][0:4], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,50 @@
+"""Timing helpers shared by the benchmarks: interleaved medians, machine label."""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from typing import Callable, Dict
+
+import torch
+
+
+def machine() -> Dict[str, object]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info: Dict[str, object] = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+                               "torch_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def interleaved_medians(cases: Dict[str, Callable[[], None]], repeats: int,
+                        warmup: int = 1, sync: Callable[[], None] = lambda: None) -> Dict[str, float]:
+    """Run every case once per round, ``repeats`` rounds, and return each case's
+    median seconds. Interleaving spreads machine noise over all cases alike."""
+    for _ in range(warmup):
+        for fn in cases.values():
+            fn()
+        sync()
+    samples: Dict[str, list] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")

@@ -1,0 +1,540 @@
+"""LayerwiseConnector: push each layer's KV blocks to decode while later layers compute.
+
+Producer (prefill) data flow, one way:
+
+    model writes layer i's KV -> save_kv_layer(i): record_layer_event + push_layer
+      -> sender thread: LayerEvents.next_ready() -> wait(i) on the layer's own event
+      -> transport.write(layer i's merged descriptors, per peer, bounded retries)
+      -> after the step's last layer: control notice "chunk landed" per request
+
+Consumer (decode): registers its caches, serves a control channel, and reports a
+request finished once the notice for its last chunk arrives (notices are sent only
+after the bytes landed), or failed on a failure notice or when its lease expires.
+See docs/connector.md for threads and failure semantics.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+import torch
+
+from . import ops
+from .control import ControlClient, ControlServer
+from .events import LayerEvents
+from .plan import KVLayout, StepPlan, TransferRequest, layer_descriptors, merge_runs, validate_step
+from .transports.base import Transport, TransportError
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass
+class ConnectorConfig:
+    """Timeouts and retry policy. Every wait is bounded by one of these."""
+
+    transfer_timeout_s: float = 5.0  # one write of one layer to one peer
+    max_retries: int = 2  # extra attempts after a transient transport error
+    retry_backoff_s: float = 0.05  # doubled after each retry
+    event_timeout_s: float = 60.0  # a pushed layer's device event must complete by then
+    step_timeout_s: float = 600.0  # all layers of a step must be pushed by then
+    lease_s: float = 30.0  # consumer: a started request must progress within this
+    control_timeout_s: float = 5.0  # connect/send on the control channel
+    quarantine_s: float = 1.0  # a write that failed may still land late (Mooncake#4247)
+
+
+@dataclass
+class _Peer:
+    peer_id: str
+    layout: KVLayout
+    data_address: str
+    control: ControlClient
+    dead: Optional[str] = None  # reason, once the peer is given up on
+
+
+@dataclass
+class _Step:
+    plan: StepPlan
+    done: threading.Event = field(default_factory=threading.Event)
+    failed_peers: Dict[str, str] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Incoming:
+    deadline: float
+    chunks: int = 0
+    bytes: int = 0
+
+
+class _Stats:
+    def __init__(self, num_layers: int) -> None:
+        self.lock = threading.Lock()
+        self.counters = dict(bytes_sent=0, layers_sent=0, steps=0, requests_finished=0,
+                             requests_failed=0, retries=0, transport_errors=0, orphan_pushes=0)
+        self.wait_s = np.zeros(num_layers)
+        self.transfer_s = np.zeros(num_layers)
+        self.samples = np.zeros(num_layers, dtype=np.int64)
+
+    def add(self, **deltas: int) -> None:
+        with self.lock:
+            for key, value in deltas.items():
+                self.counters[key] += value
+
+    def layer(self, layer: int, wait_s: float, transfer_s: float) -> None:
+        with self.lock:
+            self.wait_s[layer] += wait_s
+            self.transfer_s[layer] += transfer_s
+            self.samples[layer] += 1
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            n = np.maximum(self.samples, 1)
+            out = dict(self.counters)
+            out["layer_wait_s_mean"] = (self.wait_s / n).tolist()
+            out["layer_transfer_s_mean"] = (self.transfer_s / n).tolist()
+            out["layer_samples"] = self.samples.tolist()
+            return out
+
+
+class LayerwiseConnector:
+    """Layer-wise KV transfer between a producer (prefill) and consumers (decode).
+
+    Producer: ``register_kv_caches`` -> ``add_peer(consumer.peer_info())`` -> per step
+    ``start_step(requests)``, model forward calling ``save_kv_layer(i, cache_i)`` after
+    each layer's KV write (or ``attach``), ``wait_for_save()``, ``get_finished()``.
+    A request's source blocks must stay allocated until it is reported finished or
+    failed. Consumer: ``register_kv_caches`` -> share ``peer_info()`` -> optionally
+    ``expect(req_id)`` -> poll ``get_finished()``.
+    """
+
+    def __init__(self, role: str, transport: Transport, config: Optional[ConnectorConfig] = None,
+                 *, control_host: Optional[str] = None) -> None:
+        if role not in ("producer", "consumer"):
+            raise ValueError(f"role must be 'producer' or 'consumer', got {role!r}")
+        self.role = role
+        self.transport = transport
+        self.config = config or ConnectorConfig()
+        self.engine_id = uuid.uuid4().hex[:12]
+        self._control_host = control_host or transport.address().rsplit(":", 1)[0]
+        self._lock = threading.Lock()
+        self._caches: List[torch.Tensor] = []
+        self._layout: Optional[KVLayout] = None
+        self._registered: List[int] = []
+        self._finished: Set[str] = set()
+        self._failed: Set[str] = set()
+        self._delayed_failures: List[Tuple[float, str]] = []
+        self._closed = False
+        self._hooks: list = []
+        # producer
+        self._peers: Dict[str, _Peer] = {}
+        self._in_flight: Dict[str, str] = {}
+        self._events: Optional[LayerEvents] = None
+        self._steps: "queue.Queue[Optional[_Step]]" = queue.Queue()
+        self._current: Optional[_Step] = None
+        self._sender: Optional[threading.Thread] = None
+        self._sender_error: Optional[BaseException] = None
+        self._stop = threading.Event()
+        # consumer
+        self._incoming: Dict[str, _Incoming] = {}
+        self._server: Optional[ControlServer] = None
+        self._stats: Optional[_Stats] = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        """Register one cache tensor per layer (dim 0 = block) with the transport."""
+        if self._layout is not None:
+            raise RuntimeError("register_kv_caches was already called")
+        devices = {c.device for c in kv_caches}
+        if len(devices) != 1:
+            raise ValueError(f"all KV caches must be on one device, got {sorted(map(str, devices))}")
+        self._layout = KVLayout.of(kv_caches)
+        self._caches = list(kv_caches)
+        self._stats = _Stats(len(self._caches))
+        for layer in self._layout.layers:
+            base, length = layer.span()
+            self.transport.register(base, length)
+            self._registered.append(base)
+        if self.role == "producer":
+            self._events = LayerEvents(len(self._caches), next(iter(devices)))
+            for i, cache in enumerate(self._caches):
+                self._events.bind(i, cache)
+            self._sender = threading.Thread(target=self._sender_main, name="kvops-sender", daemon=True)
+            self._sender.start()
+        else:
+            self._server = ControlServer(self._control_host, self._on_control, self._expire_leases)
+        log.info("%s %s registered %d KV layers", self.role, self.engine_id, len(self._caches))
+
+    def peer_info(self) -> dict:
+        """Consumer: JSON-serializable description (addresses and cache layout)."""
+        self._require("consumer", registered=True)
+        return {"version": PROTOCOL_VERSION, "engine_id": self.engine_id,
+                "transport": self.transport.name, "data_address": self.transport.address(),
+                "control_address": self._server.address, "layout": self._layout.to_json()}
+
+    def add_peer(self, info: dict) -> str:
+        """Producer: validate a consumer's layout against ours, connect its control
+        channel, and return its peer id."""
+        self._require("producer", registered=True)
+        if info.get("version") != PROTOCOL_VERSION:
+            raise ValueError(f"peer speaks protocol {info.get('version')}, this side {PROTOCOL_VERSION}")
+        if info.get("transport") != self.transport.name:
+            raise ValueError(f"peer uses transport {info.get('transport')!r}, this side "
+                             f"{self.transport.name!r}")
+        layout = KVLayout.from_json(info["layout"])
+        self._layout.check_compatible(layout)
+        control = ControlClient(info["control_address"], timeout_s=self.config.control_timeout_s,
+                                retries=self.config.max_retries,
+                                backoff_s=self.config.retry_backoff_s)
+        control.connect()
+        control.send({"op": "hello", "producer": self.engine_id})
+        peer = _Peer(info["engine_id"], layout, info["data_address"], control)
+        with self._lock:
+            self._peers[peer.peer_id] = peer
+        return peer.peer_id
+
+    def attach(self, model: torch.nn.Module, layers: Sequence[torch.nn.Module]) -> list:
+        """Call ``save_kv_layer(i, cache_i)`` after ``layers[i]``'s forward (forward
+        hooks), for model code that should not be edited. Returns the hook handles."""
+        self._require("producer", registered=True)
+        if len(layers) != len(self._caches):
+            raise ValueError(f"{len(layers)} layers given for {len(self._caches)} KV caches")
+        for i, module in enumerate(layers):
+            self._hooks.append(module.register_forward_hook(self._make_hook(i)))
+        return list(self._hooks)
+
+    def _make_hook(self, layer: int):
+        def hook(module, args, output):
+            self.save_kv_layer(layer, self._caches[layer])
+        return hook
+
+    # ------------------------------------------------------------------ producer step
+
+    def start_step(self, requests: Iterable[TransferRequest]) -> None:
+        """Validate this step's requests (``ValueError``, nothing sent) and hand the
+        plan to the sender. Requests to a peer already given up on fail at once."""
+        self._require("producer", registered=True)
+        self._raise_sender_error()
+        if self._current is not None and not self._current.done.is_set():
+            raise RuntimeError("the previous step is still sending: call wait_for_save() first")
+        requests = list(requests)
+        with self._lock:
+            peers = {pid: p.layout for pid, p in self._peers.items()}
+            plan = validate_step(requests, self._layout, peers, self._in_flight)
+            for req in requests:
+                self._in_flight[req.req_id] = req.peer
+        # Pushes of a forward that ran without a step would be taken for this step's.
+        while self._events.next_ready(timeout=0) is not None:
+            self._stats.add(orphan_pushes=1)
+        step = _Step(plan)
+        self._current = step
+        self._steps.put(step)
+
+    def save_kv_layer(self, layer: int, kv_cache: torch.Tensor) -> None:
+        """Model hook: call right after layer ``layer``'s KV write. Only issues two ops
+        with constant arguments, so it traces into torch.compile(fullgraph=True) and is
+        captured with the model in a CUDA graph."""
+        ops.record_layer_event(kv_cache, self._events.handle, layer)
+        ops.push_layer(kv_cache, self._events.handle, layer)
+
+    def wait_for_save(self, timeout: Optional[float] = None) -> None:
+        """Block until every layer of the current step was sent or failed."""
+        self._require("producer", registered=True)
+        step = self._current
+        if step is None:
+            return
+        if not step.done.wait(timeout):
+            raise TimeoutError(f"step not finished sending after {timeout} s")
+        self._raise_sender_error()
+
+    # ------------------------------------------------------------------ sender thread
+
+    def _sender_main(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    step = self._steps.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if step is None:
+                    break
+                try:
+                    self._run_step(step)
+                finally:
+                    step.done.set()
+        except BaseException as exc:  # reported to the caller, never swallowed
+            log.exception("sender thread failed")
+            self._sender_error = exc
+            self._fail_all_in_flight(f"sender thread failed: {exc}")
+
+    def _run_step(self, step: _Step) -> None:
+        self._stats.add(steps=1)
+        for peer_id, entries in step.plan.by_peer.items():
+            peer = self._peers[peer_id]
+            if peer.dead:
+                step.failed_peers[peer_id] = peer.dead
+                continue
+            for req, _, _ in entries:
+                if not self._control_send(peer, {"op": "begin", "req": req.req_id}):
+                    step.failed_peers[peer_id] = peer.dead
+                    break
+        by_layer = self._step_descriptors(step)
+        remaining = set(range(len(self._caches)))
+        deadline = step.started + self.config.step_timeout_s
+        while remaining:
+            layer = self._events.next_ready(timeout=0.05)
+            if layer is None:
+                if self._stop.is_set():
+                    self._fail_step(step, "connector closed during the step")
+                    return
+                if time.monotonic() > deadline:
+                    self._fail_step(step, f"layers {sorted(remaining)} not pushed within "
+                                          f"{self.config.step_timeout_s} s")
+                    return
+                continue
+            if layer not in remaining:
+                self._stats.add(orphan_pushes=1)
+                continue
+            t0 = time.perf_counter()
+            if not self._events.wait(layer, timeout=self.config.event_timeout_s):
+                self._fail_step(step, f"layer {layer}'s event did not complete")
+                return
+            t1 = time.perf_counter()
+            for peer_id, (src, dst, lengths) in by_layer(layer):
+                if peer_id not in step.failed_peers:
+                    self._write_layer(step, peer_id, layer, src, dst, lengths)
+            self._stats.layer(layer, t1 - t0, time.perf_counter() - t1)
+            self._stats.add(layers_sent=1)
+            remaining.discard(layer)
+        self._finish_step(step)
+
+    def _step_descriptors(self, step: _Step):
+        """Per peer, the step's block ids concatenated over requests, so each layer is
+        one merged batch per peer."""
+        merged = {peer_id: (np.concatenate([s for _, s, _ in entries]),
+                            np.concatenate([d for _, _, d in entries]))
+                  for peer_id, entries in step.plan.by_peer.items()}
+
+        def for_layer(layer: int):
+            for peer_id, (src_blocks, dst_blocks) in merged.items():
+                if src_blocks.size:
+                    yield peer_id, layer_descriptors(self._layout.layers[layer],
+                                                     self._peers[peer_id].layout.layers[layer],
+                                                     src_blocks, dst_blocks)
+        return for_layer
+
+    def _write_layer(self, step: _Step, peer_id: str, layer: int, src, dst, lengths) -> None:
+        peer = self._peers[peer_id]
+        if peer.control.peer_closed():
+            self._give_up_peer(step, peer, "peer closed its control channel (process gone?)")
+            return
+        attempt = 0
+        while True:
+            try:
+                self.transport.write(peer.data_address, src.tolist(), dst.tolist(), lengths.tolist(),
+                                     timeout_s=self.config.transfer_timeout_s)
+                self._stats.add(bytes_sent=int(lengths.sum()))
+                return
+            except TransportError as exc:
+                self._stats.add(transport_errors=1)
+                if not exc.transient or attempt >= self.config.max_retries or self._stop.is_set():
+                    self._give_up_peer(step, peer, f"layer {layer} write failed: {exc}")
+                    return
+                attempt += 1
+                self._stats.add(retries=1)
+                log.warning("retrying layer %d to %s (attempt %d): %s", layer, peer_id, attempt, exc)
+                time.sleep(self.config.retry_backoff_s * (2 ** (attempt - 1)))
+
+    def _give_up_peer(self, step: _Step, peer: _Peer, reason: str) -> None:
+        log.error("giving up on peer %s: %s", peer.peer_id, reason)
+        peer.dead = reason
+        step.failed_peers[peer.peer_id] = reason
+
+    def _control_send(self, peer: _Peer, message: dict) -> bool:
+        try:
+            peer.control.send(message)
+            return True
+        except ConnectionError as exc:
+            peer.dead = f"control channel failed: {exc}"
+            return False
+
+    def _finish_step(self, step: _Step) -> None:
+        for peer_id, entries in step.plan.by_peer.items():
+            peer = self._peers[peer_id]
+            for req, src, _ in entries:
+                if peer_id not in step.failed_peers:
+                    nbytes = int(src.size) * sum(l.block_bytes for l in self._layout.layers)
+                    if self._control_send(peer, {"op": "chunk", "req": req.req_id,
+                                                 "last": req.last_chunk, "bytes": nbytes}):
+                        if req.last_chunk:
+                            self._report(req.req_id, ok=True)
+                        continue
+                    step.failed_peers[peer_id] = peer.dead
+                reason = step.failed_peers[peer_id]
+                if not peer.dead or "control channel" not in peer.dead:
+                    self._control_send(peer, {"op": "failed", "req": req.req_id, "reason": reason})
+                self._report(req.req_id, ok=False, delay=self.config.quarantine_s)
+
+    def _fail_step(self, step: _Step, reason: str) -> None:
+        log.error("step failed: %s", reason)
+        for peer_id in step.plan.by_peer:
+            step.failed_peers.setdefault(peer_id, reason)
+        self._finish_step(step)
+
+    def _fail_all_in_flight(self, reason: str) -> None:
+        with self._lock:
+            pending = list(self._in_flight.items())
+        for req_id, peer_id in pending:
+            peer = self._peers.get(peer_id)
+            if peer is not None and not peer.dead:
+                self._control_send(peer, {"op": "failed", "req": req_id, "reason": reason})
+            self._report(req_id, ok=False)
+
+    # ------------------------------------------------------------------ consumer
+
+    def expect(self, req_id: str, lease_s: Optional[float] = None) -> None:
+        """Consumer: start the lease of a request the engine waits for, so it is
+        reported failed if its producer never delivers (even if it never started)."""
+        self._require("consumer", registered=True)
+        with self._lock:
+            if req_id not in self._incoming and req_id not in self._finished | self._failed:
+                self._incoming[req_id] = _Incoming(time.monotonic() + (lease_s or self.config.lease_s))
+
+    def _on_control(self, message: dict) -> None:
+        op, req_id = message.get("op"), message.get("req")
+        now = time.monotonic()
+        with self._lock:
+            if op == "hello":
+                log.info("producer %s connected", message.get("producer"))
+                return
+            if req_id is None or op not in ("begin", "chunk", "failed"):
+                log.warning("unknown control message %r", message)
+                return
+            entry = self._incoming.get(req_id)
+            if entry is None:
+                entry = self._incoming[req_id] = _Incoming(now + self.config.lease_s)
+            entry.deadline = now + self.config.lease_s
+            if op == "chunk":
+                entry.chunks += 1
+                entry.bytes += int(message.get("bytes", 0))
+                if message.get("last"):
+                    del self._incoming[req_id]
+                    self._finished.add(req_id)
+                    self._stats.add(requests_finished=1, bytes_sent=entry.bytes)
+            elif op == "failed":
+                log.warning("request %s failed on the producer: %s", req_id, message.get("reason"))
+                del self._incoming[req_id]
+                self._failed.add(req_id)
+                self._stats.add(requests_failed=1)
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [r for r, entry in self._incoming.items() if entry.deadline < now]
+            for req_id in expired:
+                log.warning("request %s: lease expired before it finished", req_id)
+                del self._incoming[req_id]
+                self._failed.add(req_id)
+                self._stats.add(requests_failed=1)
+
+    # ------------------------------------------------------------------ both roles
+
+    def _report(self, req_id: str, ok: bool, delay: float = 0.0) -> None:
+        with self._lock:
+            if self._in_flight.pop(req_id, None) is None and self.role == "producer":
+                return  # already reported
+            if ok:
+                self._finished.add(req_id)
+                self._stats.add(requests_finished=1)
+            elif delay > 0:
+                self._delayed_failures.append((time.monotonic() + delay, req_id))
+            else:
+                self._failed.add(req_id)
+                self._stats.add(requests_failed=1)
+
+    def get_finished(self) -> Tuple[Set[str], Set[str]]:
+        """(finished, failed) request ids since the last call; each id is reported once.
+        Producer: finished means every byte was sent and acknowledged as landed, so the
+        source blocks may be freed. Consumer: every layer of every chunk has landed."""
+        if self._server is not None:
+            self._server.check()
+        now = time.monotonic()
+        with self._lock:
+            due = [r for t, r in self._delayed_failures if t <= now]
+            self._delayed_failures = [(t, r) for t, r in self._delayed_failures if t > now]
+            self._failed.update(due)
+            self._stats.add(requests_failed=len(due))
+            finished, failed = self._finished, self._failed
+            self._finished, self._failed = set(), set()
+        return finished, failed
+
+    def stats(self) -> dict:
+        """Counters (bytes, layers, requests finished/failed, retries, errors) and
+        per-layer mean wait-for-event and transfer times (producer)."""
+        if self._stats is None:
+            return {}
+        out = self._stats.snapshot()
+        out["role"] = self.role
+        with self._lock:
+            out["in_flight"] = len(self._in_flight) + len(self._incoming)
+        return out
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop threads, report unfinished requests failed, unregister memory."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._hooks:
+            handle.remove()
+        self._stop.set()
+        if self._events is not None:
+            self._events.close()  # wakes a sender blocked in next_ready
+        if self._sender is not None:
+            self._steps.put(None)
+            self._sender.join(timeout)
+            if self._sender.is_alive():
+                raise RuntimeError("sender thread did not stop within the close timeout")
+            self._fail_all_in_flight("connector closed")
+        if self._server is not None:
+            self._server.close(timeout)
+            with self._lock:
+                for req_id in list(self._incoming):
+                    self._failed.add(req_id)
+                self._incoming.clear()
+        for peer in self._peers.values():
+            peer.control.close()
+        for base in self._registered:
+            self.transport.unregister(base)
+        self._registered.clear()
+        with self._lock:
+            self._failed.update(r for _, r in self._delayed_failures)
+            self._delayed_failures.clear()
+
+    def __enter__(self) -> "LayerwiseConnector":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _require(self, role: str, registered: bool = False) -> None:
+        if self.role != role:
+            raise RuntimeError(f"this call is for the {role} role; this connector is a {self.role}")
+        if registered and self._layout is None:
+            raise RuntimeError("call register_kv_caches first")
+        if self._closed:
+            raise RuntimeError("the connector is closed")
+
+    def _raise_sender_error(self) -> None:
+        if self._sender_error is not None:
+            raise RuntimeError("the sender thread failed") from self._sender_error

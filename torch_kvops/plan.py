@@ -1,0 +1,164 @@
+"""Transfer planning: KV layouts, request validation, per-layer copy descriptors.
+
+Pure Python/numpy, no I/O: the connector validates a step here before anything is
+sent, and the sender turns each layer into merged (src, dst, length) descriptors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    """Blocks of one request to push to one peer in this step.
+
+    ``src_blocks[k]`` (a block of the producer's caches) lands in ``dst_blocks[k]`` (a
+    block of the peer's caches) for every layer. A request spanning several steps
+    (chunked prefill) is sent with ``last_chunk=False`` until its final chunk; the
+    consumer reports it finished only after every layer of every chunk landed.
+    """
+
+    req_id: str
+    peer: str
+    src_blocks: Sequence[int]
+    dst_blocks: Sequence[int]
+    last_chunk: bool = True
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Where one layer's blocks live: base address, block count, stride, block size."""
+
+    base: int
+    num_blocks: int
+    block_stride: int  # bytes between consecutive blocks
+    block_bytes: int  # bytes in one block (contiguous)
+    dtype: str
+
+    @staticmethod
+    def of(cache: torch.Tensor) -> "LayerLayout":
+        if cache.dim() < 1 or cache.size(0) == 0:
+            raise ValueError(f"a KV cache needs blocks along dim 0, got shape {tuple(cache.shape)}")
+        block = cache[0]
+        if not block.is_contiguous():
+            raise ValueError(f"blocks must be contiguous (shape {tuple(cache.shape)}, "
+                             f"strides {cache.stride()})")
+        return LayerLayout(base=cache.data_ptr(), num_blocks=cache.size(0),
+                           block_stride=cache.stride(0) * cache.element_size(),
+                           block_bytes=block.numel() * cache.element_size(),
+                           dtype=str(cache.dtype).replace("torch.", ""))
+
+    def span(self) -> Tuple[int, int]:
+        """(address, length) of the memory to register for this layer."""
+        return self.base, (self.num_blocks - 1) * self.block_stride + self.block_bytes
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    layers: Tuple[LayerLayout, ...]
+
+    @staticmethod
+    def of(caches: Sequence[torch.Tensor]) -> "KVLayout":
+        if len(caches) == 0:
+            raise ValueError("register_kv_caches needs at least one layer")
+        return KVLayout(tuple(LayerLayout.of(c) for c in caches))
+
+    def to_json(self) -> List[dict]:
+        return [layer.__dict__.copy() for layer in self.layers]
+
+    @staticmethod
+    def from_json(data: List[dict]) -> "KVLayout":
+        return KVLayout(tuple(LayerLayout(**d) for d in data))
+
+    def check_compatible(self, peer: "KVLayout") -> None:
+        """A producer can push into a peer only if every layer's blocks match."""
+        if len(peer.layers) != len(self.layers):
+            raise ValueError(f"peer has {len(peer.layers)} layers, this side has {len(self.layers)}")
+        for i, (mine, theirs) in enumerate(zip(self.layers, peer.layers)):
+            if mine.block_bytes != theirs.block_bytes or mine.dtype != theirs.dtype:
+                raise ValueError(
+                    f"layer {i}: peer blocks are {theirs.block_bytes} bytes of {theirs.dtype}, "
+                    f"this side's are {mine.block_bytes} bytes of {mine.dtype}")
+
+
+@dataclass
+class StepPlan:
+    """A validated step: requests grouped by peer, with block ids as int64 arrays."""
+
+    requests: List[TransferRequest]
+    by_peer: Dict[str, List[Tuple[TransferRequest, np.ndarray, np.ndarray]]] = field(default_factory=dict)
+
+
+def validate_step(requests: Sequence[TransferRequest], local: KVLayout,
+                  peers: Dict[str, KVLayout], in_flight: Dict[str, str]) -> StepPlan:
+    """Raise ``ValueError`` for any bad request; return the plan otherwise.
+
+    Checked: unknown peer, length mismatch, block ids out of range locally or on the
+    peer, a destination block named twice for one peer in this step, a request id
+    twice in the step, and a request id already in flight with another peer.
+    """
+    plan = StepPlan(requests=list(requests))
+    seen_ids = set()
+    local_blocks = min(layer.num_blocks for layer in local.layers)
+    for req in requests:
+        if req.req_id in seen_ids:
+            raise ValueError(f"request {req.req_id!r} appears twice in one step")
+        seen_ids.add(req.req_id)
+        if req.peer not in peers:
+            raise ValueError(f"request {req.req_id!r}: unknown peer {req.peer!r} (add_peer first)")
+        if in_flight.get(req.req_id, req.peer) != req.peer:
+            raise ValueError(f"request {req.req_id!r} is in flight to peer {in_flight[req.req_id]!r}, "
+                             f"not {req.peer!r}")
+        src = np.asarray(req.src_blocks, dtype=np.int64).reshape(-1)
+        dst = np.asarray(req.dst_blocks, dtype=np.int64).reshape(-1)
+        if src.shape != dst.shape:
+            raise ValueError(f"request {req.req_id!r}: {src.size} source blocks but "
+                             f"{dst.size} destination blocks")
+        peer_blocks = min(layer.num_blocks for layer in peers[req.peer].layers)
+        _check_range(req.req_id, "source", src, local_blocks, "locally")
+        _check_range(req.req_id, "destination", dst, peer_blocks, f"on peer {req.peer!r}")
+        plan.by_peer.setdefault(req.peer, []).append((req, src, dst))
+    for peer, entries in plan.by_peer.items():
+        all_dst = np.concatenate([dst for _, _, dst in entries])
+        values, counts = np.unique(all_dst, return_counts=True)
+        if (counts > 1).any():
+            dup = int(values[counts > 1][0])
+            owners = [r.req_id for r, _, dst in entries if (dst == dup).any()]
+            raise ValueError(f"destination block {dup} on peer {peer!r} is named twice "
+                             f"(requests {owners})")
+    return plan
+
+
+def _check_range(req_id: str, what: str, blocks: np.ndarray, limit: int, where: str) -> None:
+    bad = blocks[(blocks < 0) | (blocks >= limit)]
+    if bad.size:
+        raise ValueError(f"request {req_id!r}: {what} block {int(bad[0])} is out of range {where} "
+                         f"({limit} blocks)")
+
+
+def layer_descriptors(local: LayerLayout, peer: LayerLayout, src_blocks: np.ndarray,
+                      dst_blocks: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src_addrs, dst_addrs, lengths) for one layer, runs of adjacent blocks merged."""
+    if src_blocks.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    src = local.base + src_blocks * local.block_stride
+    dst = peer.base + dst_blocks * peer.block_stride
+    return merge_runs(src, dst, np.full(src.shape, local.block_bytes, dtype=np.int64))
+
+
+def merge_runs(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray
+               ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge consecutive descriptors whose source and destination both continue."""
+    if src.size <= 1:
+        return src, dst, lengths
+    ends_src = src[:-1] + lengths[:-1]
+    ends_dst = dst[:-1] + lengths[:-1]
+    starts = np.concatenate(([True], (src[1:] != ends_src) | (dst[1:] != ends_dst)))
+    idx = np.flatnonzero(starts)
+    merged_len = np.add.reduceat(lengths, idx)
+    return src[idx], dst[idx], merged_len
