@@ -57,7 +57,7 @@ def make_extension():
             "torch_kvops._C", srcs, define_macros=macros,
             include_dirs=[os.path.join(ascend, "include"), os.path.join(npu_root, "include")],
             library_dirs=[os.path.join(ascend, "lib64"), os.path.join(npu_root, "lib")],
-            libraries=["ascendcl", "torch_npu"], extra_compile_args={"cxx": cxx})
+            libraries=["ascendcl", "torch_npu", "dl"], extra_compile_args={"cxx": cxx})
     if with_cuda:
         srcs += sources("cuda/*.cu")
         return CUDAExtension(

@@ -7,11 +7,20 @@ import torch  # noqa: F401  (the extension links against torch's libraries)
 
 from . import _C  # noqa: F401  registers the kvops schemas and kernels
 from . import ops
+from .connector import ConnectorConfig, LayerwiseConnector
 from .events import LayerEvents
+from .plan import TransferRequest
+from .transports import MooncakeTransport, Transport, TransportError
 from .ops import push_layer, record_layer_event, swap_blocks_batch, swap_blocks_batch_ptrs
 
 __all__ = [
+    "ConnectorConfig",
     "LayerEvents",
+    "LayerwiseConnector",
+    "MooncakeTransport",
+    "TransferRequest",
+    "Transport",
+    "TransportError",
     "ops",
     "push_layer",
     "record_layer_event",

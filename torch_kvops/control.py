@@ -153,12 +153,15 @@ class ControlClient:
         with self._lock:
             if self._sock is None:
                 return False
+            self._sock.settimeout(0.0)  # a timeout-mode socket would wait out its timeout
             try:
-                return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+                return self._sock.recv(1, socket.MSG_PEEK) == b""
             except (BlockingIOError, InterruptedError):
                 return False
             except OSError:
                 return True
+            finally:
+                self._sock.settimeout(self._timeout_s)
 
     def _close_locked(self) -> None:
         if self._sock is not None:

@@ -21,8 +21,9 @@ class LayerEvents:
 
     def __init__(self, num_layers: int, device: Union[str, torch.device] = "cpu") -> None:
         self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type != "cpu" and self.device.index is None:
+            backend = getattr(torch, self.device.type)  # torch.cuda, torch.npu (torch_npu)
+            self.device = torch.device(self.device.type, backend.current_device())
         self.num_layers = int(num_layers)
         self.handle: int = _C.layer_events_create(self.num_layers, str(self.device))
         self._closed = False
