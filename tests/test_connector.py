@@ -10,7 +10,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
 
-from peer_process import ConsumerProcess
+from torch_kvops.testing.consumer_process import ConsumerProcess
 
 LAYERS, BLOCKS, BLOCK_SHAPE = 4, 64, (2, 8, 16)  # 1 KiB blocks
 FAST = dict(transfer_timeout_s=3.0, max_retries=1, retry_backoff_s=0.02, lease_s=10.0,
@@ -87,13 +87,17 @@ def test_requests_and_chunked_prefill_land_byte_exact(consumer, producer):
     assert stats["layers_sent"] == 2 * LAYERS and len(stats["layer_wait_s_mean"]) == LAYERS
 
 
-def test_thousands_of_fragmented_blocks_arrive_intact():
+@pytest.mark.parametrize("staging", [True, False], ids=["staged", "direct"])
+def test_thousands_of_fragmented_blocks_arrive_intact(staging):
     layers, blocks, shape = 2, 8192, (64,)  # 256-byte blocks, 3000 fragmented per layer
-    consumer = ConsumerProcess(layers, blocks, shape, **FAST)
+    # Small slots so that a layer spans several slots and slots are reused (acks).
+    config = dict(FAST, staging_slot_bytes=64 << 10, staging_slots=3,
+                  staging_threshold_bytes=(256 << 10) if staging else 0)
+    consumer = ConsumerProcess(layers, blocks, shape, **config)
     transport = MooncakeTransport(host="127.0.0.1")
     try:
         caches = [torch.randn(blocks, *shape) for _ in range(layers)]
-        with LayerwiseConnector("producer", transport, ConnectorConfig(**FAST)) as conn:
+        with LayerwiseConnector("producer", transport, ConnectorConfig(**config)) as conn:
             conn.register_kv_caches(caches)
             peer = conn.add_peer(consumer.info)
             rng = np.random.default_rng(0)
@@ -111,6 +115,8 @@ def test_thousands_of_fragmented_blocks_arrive_intact():
                 untouched = np.ones(blocks, dtype=bool)
                 untouched[dst] = False
                 assert (received[layer][untouched] == -7.0).all()
+            staged = conn.stats()["staged_writes"]
+            assert (staged >= 2 * 12) if staging else (staged == 0)
     finally:
         consumer.stop()
         transport.close()

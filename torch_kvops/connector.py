@@ -29,7 +29,8 @@ import torch
 from . import ops
 from .control import ControlClient, ControlServer
 from .events import LayerEvents
-from .plan import KVLayout, StepPlan, TransferRequest, layer_descriptors, merge_runs, validate_step
+from .plan import KVLayout, StepPlan, TransferRequest, layer_descriptors, validate_step
+from .staging import ConsumerStaging, ProducerStaging, StagingGrant, uniform_block
 from .transports.base import Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,11 @@ class ConnectorConfig:
     lease_s: float = 30.0  # consumer: a started request must progress within this
     control_timeout_s: float = 5.0  # connect/send on the control channel
     quarantine_s: float = 1.0  # a write that failed may still land late (Mooncake#4247)
+    # Staging of fragmented layers (docs/connector.md). A layer whose merged
+    # descriptors average fewer bytes than the threshold goes through staging slots.
+    staging_threshold_bytes: int = 256 << 10  # 0 disables staging
+    staging_slot_bytes: int = 8 << 20
+    staging_slots: int = 4  # per producer on the consumer; in flight before an ack
 
 
 @dataclass
@@ -57,6 +63,7 @@ class _Peer:
     layout: KVLayout
     data_address: str
     control: ControlClient
+    staging: Optional[ProducerStaging] = None
     dead: Optional[str] = None  # reason, once the peer is given up on
 
 
@@ -79,7 +86,8 @@ class _Stats:
     def __init__(self, num_layers: int) -> None:
         self.lock = threading.Lock()
         self.counters = dict(bytes_sent=0, layers_sent=0, steps=0, requests_finished=0,
-                             requests_failed=0, retries=0, transport_errors=0, orphan_pushes=0)
+                             requests_failed=0, retries=0, transport_errors=0, orphan_pushes=0,
+                             staged_writes=0)
         self.wait_s = np.zeros(num_layers)
         self.transfer_s = np.zeros(num_layers)
         self.samples = np.zeros(num_layers, dtype=np.int64)
@@ -146,6 +154,7 @@ class LayerwiseConnector:
         # consumer
         self._incoming: Dict[str, _Incoming] = {}
         self._server: Optional[ControlServer] = None
+        self._consumer_staging: Optional[ConsumerStaging] = None
         self._stats: Optional[_Stats] = None
 
     # ------------------------------------------------------------------ set-up
@@ -171,7 +180,13 @@ class LayerwiseConnector:
             self._sender = threading.Thread(target=self._sender_main, name="kvops-sender", daemon=True)
             self._sender.start()
         else:
-            self._server = ControlServer(self._control_host, self._on_control, self._expire_leases)
+            if self.config.staging_threshold_bytes > 0 and uniform_block(self._caches) is not None \
+                    and self._caches[0].device.type == "cpu":
+                self._consumer_staging = ConsumerStaging(self._caches, self.transport,
+                                                         self.config.staging_slot_bytes,
+                                                         self.config.staging_slots)
+            self._server = ControlServer(self._control_host, self._on_control, self._expire_leases,
+                                         send_timeout_s=self.config.control_timeout_s)
         log.info("%s %s registered %d KV layers", self.role, self.engine_id, len(self._caches))
 
     def peer_info(self) -> dict:
@@ -196,8 +211,12 @@ class LayerwiseConnector:
                                 retries=self.config.max_retries,
                                 backoff_s=self.config.retry_backoff_s)
         control.connect()
-        control.send({"op": "hello", "producer": self.engine_id})
+        welcome = control.request({"op": "hello", "producer": self.engine_id})
         peer = _Peer(info["engine_id"], layout, info["data_address"], control)
+        grant = welcome.get("staging")
+        if grant and self.config.staging_threshold_bytes > 0 and uniform_block(self._caches) is not None \
+                and self._caches[0].device.type == "cpu":
+            peer.staging = ProducerStaging(self._caches, self.transport, StagingGrant(**grant))
         with self._lock:
             self._peers[peer.peer_id] = peer
         return peer.peer_id
@@ -309,9 +328,9 @@ class LayerwiseConnector:
                 self._fail_step(step, f"layer {layer}'s event did not complete")
                 return
             t1 = time.perf_counter()
-            for peer_id, (src, dst, lengths) in by_layer(layer):
+            for peer_id, blocks, (src, dst, lengths) in by_layer(layer):
                 if peer_id not in step.failed_peers:
-                    self._write_layer(step, peer_id, layer, src, dst, lengths)
+                    self._write_layer(step, peer_id, layer, blocks, src, dst, lengths)
             self._stats.layer(layer, t1 - t0, time.perf_counter() - t1)
             self._stats.add(layers_sent=1)
             remaining.discard(layer)
@@ -327,31 +346,71 @@ class LayerwiseConnector:
         def for_layer(layer: int):
             for peer_id, (src_blocks, dst_blocks) in merged.items():
                 if src_blocks.size:
-                    yield peer_id, layer_descriptors(self._layout.layers[layer],
-                                                     self._peers[peer_id].layout.layers[layer],
-                                                     src_blocks, dst_blocks)
+                    yield peer_id, (src_blocks, dst_blocks), layer_descriptors(
+                        self._layout.layers[layer], self._peers[peer_id].layout.layers[layer],
+                        src_blocks, dst_blocks)
         return for_layer
 
-    def _write_layer(self, step: _Step, peer_id: str, layer: int, src, dst, lengths) -> None:
+    def _write_layer(self, step: _Step, peer_id: str, layer: int, blocks, src, dst, lengths) -> None:
         peer = self._peers[peer_id]
         if peer.control.peer_closed():
             self._give_up_peer(step, peer, "peer closed its control channel (process gone?)")
             return
+        fragmented = lengths.size > 1 and lengths.mean() < self.config.staging_threshold_bytes
+        if peer.staging is not None and fragmented:
+            self._write_staged(step, peer, layer, *blocks)
+        elif self._write_with_retries(step, peer, layer, src.tolist(), dst.tolist(), lengths.tolist()):
+            self._stats.add(bytes_sent=int(lengths.sum()))
+
+    def _write_staged(self, step: _Step, peer: _Peer, layer: int, src_blocks, dst_blocks) -> None:
+        staging = peer.staging
+        per_slot = staging.grant.slot_blocks
+        for start in range(0, src_blocks.size, per_slot):
+            slot = staging.next_slot()
+            if staging.busy[slot] and not self._await_ack(peer, slot):
+                self._give_up_peer(step, peer, f"staging slot {slot} was not released in time")
+                return
+            s, d, n = staging.gather(layer, slot, src_blocks[start:start + per_slot])
+            if not self._write_with_retries(step, peer, layer, [s], [d], [n]):
+                return
+            self._stats.add(bytes_sent=n, staged_writes=1)
+            staging.busy[slot] = True
+            if not self._control_send(peer, {"op": "scatter", "producer": self.engine_id,
+                                             "layer": layer, "slot": slot,
+                                             "dst": dst_blocks[start:start + per_slot].tolist()}):
+                step.failed_peers[peer.peer_id] = peer.dead
+                return
+
+    def _await_ack(self, peer: _Peer, slot: int) -> bool:
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        while peer.staging.busy[slot]:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._stop.is_set():
+                return False
+            try:
+                message = peer.control.receive(min(remaining, 0.1))
+            except ConnectionError as exc:
+                peer.dead = f"control channel failed: {exc}"
+                return False
+            if message and message.get("op") == "ack":
+                peer.staging.busy[int(message["slot"])] = False
+        return True
+
+    def _write_with_retries(self, step: _Step, peer: _Peer, layer: int, src, dst, lengths) -> bool:
         attempt = 0
         while True:
             try:
-                self.transport.write(peer.data_address, src.tolist(), dst.tolist(), lengths.tolist(),
+                self.transport.write(peer.data_address, src, dst, lengths,
                                      timeout_s=self.config.transfer_timeout_s)
-                self._stats.add(bytes_sent=int(lengths.sum()))
-                return
+                return True
             except TransportError as exc:
                 self._stats.add(transport_errors=1)
                 if not exc.transient or attempt >= self.config.max_retries or self._stop.is_set():
                     self._give_up_peer(step, peer, f"layer {layer} write failed: {exc}")
-                    return
+                    return False
                 attempt += 1
                 self._stats.add(retries=1)
-                log.warning("retrying layer %d to %s (attempt %d): %s", layer, peer_id, attempt, exc)
+                log.warning("retrying layer %d to %s (attempt %d): %s", layer, peer.peer_id, attempt, exc)
                 time.sleep(self.config.retry_backoff_s * (2 ** (attempt - 1)))
 
     def _give_up_peer(self, step: _Step, peer: _Peer, reason: str) -> None:
@@ -409,13 +468,21 @@ class LayerwiseConnector:
             if req_id not in self._incoming and req_id not in self._finished | self._failed:
                 self._incoming[req_id] = _Incoming(time.monotonic() + (lease_s or self.config.lease_s))
 
-    def _on_control(self, message: dict) -> None:
+    def _on_control(self, message: dict, reply) -> None:
         op, req_id = message.get("op"), message.get("req")
         now = time.monotonic()
+        if op == "hello":
+            producer = str(message.get("producer"))
+            log.info("producer %s connected", producer)
+            grant = self._consumer_staging.grant(producer) if self._consumer_staging else None
+            reply({"op": "welcome", "staging": grant.to_json() if grant else None})
+            return
+        if op == "scatter":
+            self._consumer_staging.scatter(str(message["producer"]), int(message["layer"]),
+                                           int(message["slot"]), message["dst"])
+            reply({"op": "ack", "slot": message["slot"]})
+            return
         with self._lock:
-            if op == "hello":
-                log.info("producer %s connected", message.get("producer"))
-                return
             if req_id is None or op not in ("begin", "chunk", "failed"):
                 log.warning("unknown control message %r", message)
                 return
@@ -512,6 +579,10 @@ class LayerwiseConnector:
                 self._incoming.clear()
         for peer in self._peers.values():
             peer.control.close()
+            if peer.staging is not None:
+                peer.staging.close()
+        if self._consumer_staging is not None:
+            self._consumer_staging.close()
         for base in self._registered:
             self.transport.unregister(base)
         self._registered.clear()

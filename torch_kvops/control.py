@@ -19,12 +19,18 @@ from typing import Callable, Dict, Optional
 log = logging.getLogger(__name__)
 
 
+Reply = Callable[[dict], None]
+
+
 class ControlServer:
     """Consumer side: a thread that accepts producers and hands each message to
-    ``on_message``; ``on_tick`` runs every ``tick_s`` (lease expiry)."""
+    ``on_message(message, reply)``, where ``reply`` answers on the same connection;
+    ``on_tick`` runs every ``tick_s`` (lease expiry)."""
 
-    def __init__(self, host: str, on_message: Callable[[dict], None],
-                 on_tick: Callable[[], None], tick_s: float = 0.05) -> None:
+    def __init__(self, host: str, on_message: Callable[[dict, Reply], None],
+                 on_tick: Callable[[], None], tick_s: float = 0.05,
+                 send_timeout_s: float = 5.0) -> None:
+        self._send_timeout_s = send_timeout_s
         self._on_message = on_message
         self._on_tick = on_tick
         self._tick_s = tick_s
@@ -73,7 +79,7 @@ class ControlServer:
             return
         buf = self._buffers[conn]
         buf += data
-        while True:
+        while conn in self._buffers:
             end = buf.find(b"\n")
             if end < 0:
                 break
@@ -84,7 +90,20 @@ class ControlServer:
             except ValueError:
                 log.warning("dropping a malformed control message: %r", line[:200])
                 continue
-            self._on_message(message)
+            self._on_message(message, lambda answer, c=conn: self._send(c, answer))
+
+    def _send(self, conn: socket.socket, message: dict) -> None:
+        if conn not in self._buffers:
+            return  # dropped already
+        conn.settimeout(self._send_timeout_s)
+        try:
+            conn.sendall((json.dumps(message) + "\n").encode())
+        except OSError as exc:
+            # The producer went away; its requests fail by their leases, the server lives on.
+            log.warning("dropping control connection: reply failed: %s", exc)
+            self._drop(conn)
+            return
+        conn.setblocking(False)
 
     def _drop(self, conn: socket.socket) -> None:
         self._selector.unregister(conn)
@@ -119,6 +138,7 @@ class ControlClient:
         self._retries = retries
         self._backoff_s = backoff_s
         self._sock: Optional[socket.socket] = None
+        self._inbox = bytearray()
         self._lock = threading.Lock()
 
     def connect(self) -> None:
@@ -147,6 +167,43 @@ class ControlClient:
         raise ConnectionError(f"control channel to {self._target[0]}:{self._target[1]} failed after "
                               f"{self._retries + 1} attempts: {last}") from last
 
+    def request(self, message: dict) -> dict:
+        """Send ``message`` and wait (bounded) for the next message from the peer."""
+        self.send(message)
+        answer = self.receive(self._timeout_s)
+        if answer is None:
+            raise ConnectionError(f"no answer from {self._target[0]}:{self._target[1]} within "
+                                  f"{self._timeout_s} s")
+        return answer
+
+    def receive(self, timeout_s: float) -> Optional[dict]:
+        """Next message from the peer, or None after ``timeout_s``; ConnectionError if
+        the peer closed the connection."""
+        with self._lock:
+            if self._sock is None:
+                raise ConnectionError("control channel is not connected")
+            deadline = time.monotonic() + timeout_s
+            while b"\n" not in self._inbox:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._sock.settimeout(remaining)
+                try:
+                    data = self._sock.recv(1 << 16)
+                except socket.timeout:
+                    return None
+                except OSError as exc:
+                    raise ConnectionError(f"control channel failed: {exc}") from exc
+                finally:
+                    self._sock.settimeout(self._timeout_s)
+                if not data:
+                    raise ConnectionError("the peer closed the control channel")
+                self._inbox += data
+            end = self._inbox.index(b"\n")
+            line = bytes(self._inbox[:end])
+            del self._inbox[:end + 1]
+        return json.loads(line)
+
     def peer_closed(self) -> bool:
         """True when the consumer closed the connection (for example it died): lets the
         sender fail that peer at once instead of waiting for a transfer timeout."""
@@ -164,6 +221,7 @@ class ControlClient:
                 self._sock.settimeout(self._timeout_s)
 
     def _close_locked(self) -> None:
+        self._inbox.clear()
         if self._sock is not None:
             try:
                 self._sock.close()

@@ -46,8 +46,8 @@ config                                 1024 tok   2048 tok   4096 tok
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -352,11 +352,14 @@ class PagedLlama(nn.Module):
         def normal_(t: torch.Tensor, std: float) -> None:
             t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32) * std)
 
-        # Embedding rows ~ unit RMS. Input projections ~ 1/sqrt(fan_in) so their
+        # Embedding rows ~ unit RMS (untied head). Input projections ~ 1/sqrt(fan_in) so their
         # outputs are ~unit scale after the pre-norm; residual branch outputs are scaled
         # by 1/sqrt(2*num_layers) so the residual stream grows slowly over the layers.
         # Norm weights get a little noise so they are not trivially all ones.
-        normal_(self.embed.weight, 1.0)
+        # A tied head reads the embedding back: a unit-scale embedding would dominate
+        # the residual stream and greedy decoding would echo the input token, so the
+        # tied embedding is small (GPT-2 style) and the residual branches dominate.
+        normal_(self.embed.weight, 1.0 if self.lm_head is not None else 0.02)
         res_scale = 1.0 / math.sqrt(2 * cfg.num_layers)
         for layer in self.layers:
             normal_(layer.qkv_proj.weight, 1.0 / math.sqrt(cfg.hidden_size))
@@ -425,19 +428,17 @@ class PagedLlama(nn.Module):
         n_new = batch.num_new_tokens
         n_req = len(n_new)
 
-        # Token groups that share matmuls: one per request (batch invariant) or one.
+        # Token groups that share matmuls: one per request (batch invariant: a request
+        # never shares a matmul with another, so its results do not depend on them) or
+        # one for the whole step. group_reqs[g]: (request, first row in group g).
         if cfg.batch_invariant:
             bounds, start = [], 0
             for n in n_new:
                 bounds.append((start, start + n))
                 start += n
-        else:
-            bounds = [(0, sum(n_new))]
-        # requests of each group, as (request index, first row in the group)
-        group_reqs = []
-        if cfg.batch_invariant:
             group_reqs = [[(i, 0)] for i in range(n_req)]
         else:
+            bounds = [(0, sum(n_new))]
             row, reqs = 0, []
             for i, n in enumerate(n_new):
                 reqs.append((i, row))
@@ -447,12 +448,13 @@ class PagedLlama(nn.Module):
         hs = [self.embed(input_ids[a:b]) for a, b in bounds]
         ropes = [self._rope(positions[a:b]) for a, b in bounds]
 
-        # K/V write indices into the [num_blocks * 2 * bs] rows of a cache viewed flat:
-        # row(block, kv, off) = (block * 2 + kv) * bs + off. Same for every layer.
+        # K/V write indices (block, 0=K/1=V, offset) into [num_blocks, 2, bs, Hkv, D];
+        # the same for every layer. First the step's K rows, then its V rows.
         slots = batch.slot_mapping
         blk, off = slots // bs, slots % bs
-        k_rows = blk * (2 * bs) + off
-        write_rows = torch.cat((k_rows, k_rows + bs))
+        w_blk = torch.cat((blk, blk))
+        w_kv = torch.cat((torch.zeros_like(blk), torch.ones_like(blk)))
+        w_off = torch.cat((off, off))
 
         for layer_idx, layer in enumerate(self.layers):
             kv_cache = kv_caches[layer_idx]
@@ -468,10 +470,12 @@ class PagedLlama(nn.Module):
                 qs.append(q)
                 ks.append(k)
                 vs.append(v.reshape(n, Hkv, D))
-            # ONE in-place write of all new K and V of this layer into its cache.
+            # ONE in-place scatter of all new K and V of this layer, on the cache tensor
+            # itself (not a view of it: under torch.compile a write through a view of a
+            # graph input is functionalized into a temporary that is copied back only at
+            # the end of the graph, so the hook would see a stale/temporary tensor).
             new_kv = torch.cat(ks + vs, dim=0)                   # [2*T, Hkv, D]
-            flat = kv_cache.view(-1, Hkv, D)                     # [num_blocks*2*bs, Hkv, D]
-            flat.index_put_((write_rows,), new_kv)
+            kv_cache.index_put_((w_blk, w_kv, w_off), new_kv)
             if self.kv_hook is not None:
                 self.kv_hook(layer_idx, kv_cache)
 
@@ -514,7 +518,12 @@ def reference_forward(model: PagedLlama, tokens: Sequence[int]) -> torch.Tensor:
     ids = torch.tensor(list(tokens), dtype=torch.int64, device=dev)
     n = ids.shape[0]
     H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    cos, sin = model._rope(torch.arange(n, device=dev))
+    # rotary angles computed independently of PagedLlama._rope (float64): dims i and
+    # i + D/2 rotate together by position * theta^(-2i/D)
+    inv = cfg.rope_theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = torch.arange(n, dtype=torch.float64)[:, None] * inv[None, :]
+    cos = ang.cos().repeat(1, 2)[:, None, :].to(device=dev, dtype=cfg.dtype)
+    sin = ang.sin().repeat(1, 2)[:, None, :].to(device=dev, dtype=cfg.dtype)
     h = model.embed(ids)
     for layer in model.layers:
         qkv = layer.qkv_proj(layer.input_norm(h))

@@ -1,7 +1,8 @@
 """A consumer (decode-side) LayerwiseConnector in its own process, driven over a pipe.
 
-Used by the connector tests: the producer runs in the test process, consumers run
-here, and the bytes travel through the real Mooncake engine over loopback TCP.
+Used by the connector tests and the transfer benchmarks: the producer runs in the
+calling process, consumers run here, and the bytes travel through the real Mooncake
+engine over loopback TCP.
 """
 from __future__ import annotations
 
@@ -10,22 +11,14 @@ import time
 import traceback
 
 
-def fill_pattern(num_layers, num_blocks, block_shape, seed, dtype="float32"):
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(num_blocks, *block_shape, generator=gen).to(getattr(torch, dtype))
-            for _ in range(num_layers)]
-
-
-def consumer_main(conn, num_layers, num_blocks, block_shape, config_kwargs):
+def consumer_main(conn, num_layers, num_blocks, block_shape, config_kwargs, transport_kwargs):
     import torch
 
     from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport
 
     try:
         caches = [torch.full((num_blocks, *block_shape), -7.0) for _ in range(num_layers)]
-        transport = MooncakeTransport(host="127.0.0.1")
+        transport = MooncakeTransport(host="127.0.0.1", **transport_kwargs)
         connector = LayerwiseConnector("consumer", transport, ConnectorConfig(**config_kwargs))
         connector.register_kv_caches(caches)
         conn.send(("ok", connector.peer_info()))
@@ -64,12 +57,14 @@ def consumer_main(conn, num_layers, num_blocks, block_shape, config_kwargs):
 class ConsumerProcess:
     """Handle on a consumer process; every call has a timeout."""
 
-    def __init__(self, num_layers, num_blocks, block_shape, timeout=60.0, **config_kwargs):
+    def __init__(self, num_layers, num_blocks, block_shape, timeout=60.0, transport_kwargs=None,
+                 **config_kwargs):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.timeout = timeout
         self.proc = ctx.Process(target=consumer_main,
-                                args=(child, num_layers, num_blocks, block_shape, config_kwargs),
+                                args=(child, num_layers, num_blocks, block_shape, config_kwargs,
+                                      transport_kwargs or {}),
                                 daemon=True)
         self.proc.start()
         self.info = self._reply()

@@ -1,0 +1,481 @@
+"""MooncakeTransport over real Mooncake TCP on loopback between two real processes.
+
+The receiving side runs in a ``spawn`` child process that owns a numpy buffer registered
+with its own MooncakeTransport and answers commands over a pipe. Nothing here is skipped:
+without the ``mooncake`` package every test fails.
+
+Each test is bounded: pipe reads and joins have timeouts, children are killed in
+``finally``, and a faulthandler watchdog ends the whole run if a test hangs anyway.
+"""
+from __future__ import annotations
+
+import faulthandler
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GUARD = 0xA5
+TEST_HARD_TIMEOUT_S = 90
+
+
+def _import_transports(stub_package=False):
+    """torch_kvops.transports. In the peer processes (``stub_package=True``) it is loaded
+    without torch_kvops/__init__, which imports torch and the native extension: that
+    keeps each child's start-up well under a second. Never stub in the test process,
+    where other test modules need the real package."""
+    if stub_package and "torch_kvops" not in sys.modules:
+        pkg = types.ModuleType("torch_kvops")
+        pkg.__path__ = [os.path.join(ROOT, "torch_kvops")]
+        sys.modules["torch_kvops"] = pkg
+    import torch_kvops.transports as transports
+    return transports
+
+
+# ---------------------------------------------------------------------- peer process
+def _peer_main(conn, size, regions):
+    """Receiver: registers ``regions`` (offset, length) of a ``size``-byte buffer."""
+    transports = _import_transports(stub_package=True)
+    try:
+        transport = transports.MooncakeTransport(host="127.0.0.1")
+        buf = np.full(size, GUARD, dtype=np.uint8)
+        base = buf.ctypes.data
+        for off, length in regions:
+            transport.register(base + off, length)
+        conn.send(("ready", transport.address(), base, os.getpid()))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        cmd = msg[0]
+        if cmd == "get":
+            conn.send(bytes(buf[msg[1]:msg[1] + msg[2]]))
+        elif cmd == "digest":
+            conn.send(hashlib.sha256(buf.tobytes()).hexdigest())
+        elif cmd == "fill":
+            buf[:] = msg[1]
+            conn.send(True)
+    transport.close()
+
+
+class Peer:
+    def __init__(self, size, regions=None, start_timeout=30.0):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.size = size
+        self.proc = ctx.Process(target=_peer_main, args=(child, size, regions or [(0, size)]),
+                                daemon=True)
+        self.proc.start()
+        child.close()
+        reply = self.call(None, timeout=start_timeout)
+        assert reply[0] == "ready", f"peer failed to start: {reply}"
+        _, self.address, self.base, self.pid = reply
+
+    def call(self, msg, timeout=30.0):
+        if msg is not None:
+            self.conn.send(msg)
+        if not self.conn.poll(timeout):
+            raise AssertionError(f"peer did not answer {msg!r} within {timeout}s")
+        return self.conn.recv()
+
+    def get(self, off, n):
+        return self.call(("get", off, n))
+
+    def digest(self):
+        return self.call(("digest",))
+
+    def fill(self, value):
+        assert self.call(("fill", value))
+
+    def kill(self):
+        if self.proc.is_alive():
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)
+            except OSError:
+                pass
+            self.proc.kill()
+        self.proc.join(10)
+        assert not self.proc.is_alive()
+
+    def stop(self):
+        self.conn.close()
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.kill()
+
+
+@pytest.fixture(autouse=True)
+def _watchdog():
+    faulthandler.dump_traceback_later(TEST_HARD_TIMEOUT_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(scope="module")
+def peer():
+    p = Peer(160 << 20)
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture()
+def transport():
+    t = _import_transports().MooncakeTransport(host="127.0.0.1", default_timeout_s=10.0)
+    try:
+        yield t
+    finally:
+        t.close(timeout_s=5)
+
+
+def _source(size, seed):
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _thread_count():
+    return len(os.listdir("/proc/self/task"))
+
+
+# ---------------------------------------------------------------------- tests
+def test_mooncake_engine_is_importable():
+    from mooncake.engine import TransferEngine  # noqa: F401  fails loudly when missing
+
+
+def test_missing_mooncake_raises_import_error_with_hint(monkeypatch):
+    transports = _import_transports()
+    monkeypatch.setitem(sys.modules, "mooncake", None)
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    with pytest.raises(ImportError, match="pip install mooncake-transfer-engine"):
+        transports.MooncakeTransport()
+
+
+def test_init_rejects_foreign_host_and_unknown_protocol():
+    transports = _import_transports()
+    with pytest.raises(transports.TransportError, match="not an address of this machine") as ei:
+        transports.MooncakeTransport(host="203.0.113.7")  # TEST-NET-3: never local
+    assert ei.value.transient is False
+    with pytest.raises(transports.TransportError, match="unsupported protocol"):
+        transports.MooncakeTransport(protocol="carrier-pigeon")
+    has_rdma = os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband")
+    if not has_rdma:  # Mooncake would silently use TCP: the transport must refuse instead
+        with pytest.raises(transports.TransportError, match="no RDMA device") as ei:
+            transports.MooncakeTransport(protocol="rdma")
+        assert ei.value.transient is False
+
+
+def test_register_is_idempotent_and_address_format(transport):
+    buf = np.zeros(1 << 20, dtype=np.uint8)
+    ptr = buf.ctypes.data
+    transport.register(ptr, buf.size)
+    transport.register(ptr, buf.size)  # same again: no-op
+    with pytest.raises(_import_transports().TransportError):
+        transport.register(ptr, buf.size // 2)  # same ptr, other length
+    host, port = transport.address().rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+    transport.unregister(ptr)
+    transport.unregister(ptr)  # unknown now: ignored
+
+
+def test_write_is_byte_exact_and_leaves_guard_bytes(peer):
+    src = _source(4 << 20, seed=1)
+    peer.fill(GUARD)
+    # (src offset, dst offset, length): unsorted, some adjacent on both sides (merged),
+    # one adjacent only in src, odd sizes and offsets, one zero-length, one large
+    # enough to be cut into pieces.
+    descs = [(0, 4096, 1000), (1000, 5096, 3000), (4000, 8096, 1),  # src+dst adjacent
+             (10_000, 200_000, 333), (10_333, 100_000, 77),         # src adjacent only
+             (50_001, 300_001, 65_537), (20_000, 123_457, 0),
+             (3 << 20, 1 << 20, (1 << 20) - 13)]                    # > max_descriptor_bytes
+    descs = [descs[i] for i in (5, 0, 7, 3, 1, 6, 4, 2)]
+    region = 3 << 20
+    expected = np.full(region, GUARD, dtype=np.uint8)
+    for s, d, n in descs:
+        expected[d:d + n] = src[s:s + n]
+    base = src.ctypes.data
+    t = _import_transports().MooncakeTransport(host="127.0.0.1", max_descriptor_bytes=256 << 10,
+                                               max_batch_descriptors=2)
+    try:
+        t.register(base, src.size)
+        t.write(peer.address, [base + s for s, _, _ in descs],
+                [peer.base + d for _, d, _ in descs], [n for _, _, n in descs], timeout_s=10)
+    finally:
+        t.close(timeout_s=5)
+    got = np.frombuffer(peer.get(0, region), dtype=np.uint8)
+    mismatch = np.flatnonzero(got != expected)
+    assert mismatch.size == 0, f"{mismatch.size} bytes differ, first at offset {mismatch[0]}"
+    # and nothing beyond the checked window was touched
+    assert peer.get(region, 4096) == bytes([GUARD]) * 4096
+
+
+def test_4096_fragmented_16k_descriptors_arrive_intact(peer, transport):
+    n, piece = 4096, 16 << 10
+    src = _source(2 * n * piece, seed=2)
+    base = src.ctypes.data
+    transport.register(base, src.size)
+    peer.fill(GUARD)
+    # every other 16 KiB source block into reversed destination slots: nothing merges
+    s_off = np.arange(n, dtype=np.int64) * 2 * piece
+    d_off = (n - 1 - np.arange(n, dtype=np.int64)) * 2 * piece + piece
+    expected = np.full(peer.size, GUARD, dtype=np.uint8)
+    for so, do in zip(s_off.tolist(), d_off.tolist()):
+        expected[do:do + piece] = src[so:so + piece]
+    t0 = time.monotonic()
+    transport.write(peer.address, (base + s_off).tolist(), (peer.base + d_off).tolist(),
+                    [piece] * n, timeout_s=30)
+    elapsed = time.monotonic() - t0
+    assert peer.digest() == hashlib.sha256(expected.tobytes()).hexdigest(), \
+        "destination differs from the expected bytes"
+    assert elapsed < 30
+
+
+def test_unregistered_memory_is_a_permanent_error(peer, transport):
+    TransportError = _import_transports().TransportError
+    src = _source(1 << 20, seed=3)
+    transport.register(src.ctypes.data, src.size)
+    peer.fill(GUARD)
+    # destination outside the peer's registered buffer: the peer rejects it
+    t0 = time.monotonic()
+    with pytest.raises(TransportError) as ei:
+        transport.write(peer.address, [src.ctypes.data], [peer.base + peer.size + (1 << 20)],
+                        [4096], timeout_s=5)
+    assert ei.value.transient is False and ei.value.peer == peer.address
+    assert time.monotonic() - t0 < 5
+    # source not registered here: refused before anything is sent
+    other = _source(8192, seed=4)
+    with pytest.raises(TransportError, match="not inside a region registered") as ei:
+        transport.write(peer.address, [other.ctypes.data], [peer.base], [4096], timeout_s=5)
+    assert ei.value.transient is False
+    assert peer.get(0, 4096) == bytes([GUARD]) * 4096
+    # the transport still works afterwards
+    transport.write(peer.address, [src.ctypes.data], [peer.base], [4096], timeout_s=5)
+    assert peer.get(0, 4096) == src[:4096].tobytes()
+
+
+def test_merging_across_peer_regions_and_merge_descriptors_false():
+    """Mooncake rejects a destination range that straddles two regions the peer
+    registered separately; merge_descriptors=False keeps such descriptors apart."""
+    transports = _import_transports()
+    half = 1 << 20
+    p = Peer(2 * half, regions=[(0, half), (half, half)])
+    src = _source(8192, seed=5)
+    merged = transports.MooncakeTransport(host="127.0.0.1")
+    unmerged = transports.MooncakeTransport(host="127.0.0.1", merge_descriptors=False)
+    try:
+        args = (p.address, [src.ctypes.data, src.ctypes.data + 4096],
+                [p.base + half - 4096, p.base + half], [4096, 4096])
+        merged.register(src.ctypes.data, src.size)
+        with pytest.raises(transports.TransportError, match="merge_descriptors=False") as ei:
+            merged.write(*args, timeout_s=5)
+        assert ei.value.transient is False
+        unmerged.register(src.ctypes.data, src.size)
+        unmerged.write(*args, timeout_s=5)
+        assert p.get(half - 4096, 8192) == src.tobytes()
+    finally:
+        merged.close(timeout_s=5)
+        unmerged.close(timeout_s=5)
+        p.kill()
+
+
+def test_write_to_sigkilled_peer_raises_within_bound(transport):
+    TransportError = _import_transports().TransportError
+    bound = 3.0
+    p = Peer(16 << 20)
+    try:
+        src = _source(16 << 20, seed=6)
+        transport.register(src.ctypes.data, src.size)
+        transport.write(p.address, [src.ctypes.data], [p.base], [1 << 20], timeout_s=10)
+        p.kill()  # SIGKILL
+        for size in (4096, 16 << 20):  # the first and a later attempt, small and large
+            t0 = time.monotonic()
+            with pytest.raises(TransportError) as ei:
+                transport.write(p.address, [src.ctypes.data], [p.base], [size], timeout_s=bound)
+            elapsed = time.monotonic() - t0
+            assert elapsed < bound + 1.5, f"took {elapsed:.2f}s"
+            assert ei.value.transient is True and ei.value.peer == p.address
+    finally:
+        p.kill()
+
+
+def test_peer_killed_during_stalled_write_fails_fast(transport):
+    """A write stuck on a stopped (SIGSTOP) peer fails at once when the peer dies."""
+    TransportError = _import_transports().TransportError
+    p = Peer(64 << 20)
+    src = _source(64 << 20, seed=7)
+    transport.register(src.ctypes.data, src.size)
+    errors = []
+    try:
+        transport.write(p.address, [src.ctypes.data], [p.base], [4096], timeout_s=10)
+        os.kill(p.pid, signal.SIGSTOP)
+
+        def writer():
+            try:
+                transport.write(p.address, [src.ctypes.data], [p.base], [src.size], timeout_s=20)
+                errors.append(None)
+            except TransportError as exc:
+                errors.append((exc, time.monotonic()))
+
+        th = threading.Thread(target=writer)
+        th.start()
+        time.sleep(0.5)
+        assert th.is_alive(), "write to a stopped peer returned early"
+        killed_at = time.monotonic()
+        os.kill(p.pid, signal.SIGKILL)
+        th.join(10)
+        assert not th.is_alive()
+        exc, at = errors[0]
+        assert exc.transient is True
+        assert at - killed_at < 3.0, f"took {at - killed_at:.2f}s after the kill"
+        # the other pieces of that write fail too (queued ones after Mooncake's 1 s
+        # reconnect cool-down), which releases the source memory
+        transport.unregister(src.ctypes.data, timeout_s=5)
+        assert transport.outstanding() == 0
+    finally:
+        p.kill()
+
+
+def test_write_to_address_without_listener_raises_within_bound(transport):
+    TransportError = _import_transports().TransportError
+    src = _source(4096, seed=8)
+    transport.register(src.ctypes.data, src.size)
+    bound = 2.0
+    address = f"127.0.0.1:{_free_port()}"
+    for _ in range(2):
+        t0 = time.monotonic()
+        with pytest.raises(TransportError) as ei:
+            transport.write(address, [src.ctypes.data], [0x10000], [4096], timeout_s=bound)
+        assert time.monotonic() - t0 < bound + 1.5
+        assert ei.value.transient is True and ei.value.peer == address
+    with pytest.raises(TransportError, match="host:port") as ei:
+        transport.write("no-port-here", [src.ctypes.data], [0x10000], [4096], timeout_s=bound)
+    assert ei.value.transient is False
+
+
+def test_stalled_write_times_out_and_pins_its_memory(transport):
+    """SIGSTOPped peer: write() gives up at its deadline although Mooncake would wait
+    30 s; the memory stays pinned until the left-over transfer ends."""
+    TransportError = _import_transports().TransportError
+    p = Peer(64 << 20)
+    src = _source(64 << 20, seed=9)
+    try:
+        transport.register(src.ctypes.data, src.size)
+        transport.write(p.address, [src.ctypes.data], [p.base], [4096], timeout_s=10)
+        os.kill(p.pid, signal.SIGSTOP)
+        bound = 1.5
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match="timed out") as ei:
+            transport.write(p.address, [src.ctypes.data], [p.base], [src.size], timeout_s=bound)
+        elapsed = time.monotonic() - t0
+        assert bound - 0.05 <= elapsed < bound + 1.0, f"took {elapsed:.2f}s"
+        assert ei.value.transient is True
+        assert transport.outstanding() > 0
+        with pytest.raises(TransportError, match="still read by"):
+            transport.unregister(src.ctypes.data, timeout_s=0.2)
+        p.kill()  # left-over transfers now fail and release the memory
+        transport.unregister(src.ctypes.data, timeout_s=5)
+        assert transport.outstanding() == 0
+    finally:
+        p.kill()
+
+
+def test_handshake_with_hung_peer_is_bounded_and_close_is_safe():
+    """First contact with a stopped peer: Mooncake's handshake blocks ~60 s; write()
+    gives up at its deadline and close() returns within its own bound."""
+    transports = _import_transports()
+    p = Peer(1 << 20)
+    src = _source(4096, seed=10)
+    t = transports.MooncakeTransport(host="127.0.0.1")
+    try:
+        t.register(src.ctypes.data, src.size)
+        os.kill(p.pid, signal.SIGSTOP)
+        for bound in (1.0, 0.5):  # the second write joins the handshake still in progress
+            t0 = time.monotonic()
+            with pytest.raises(transports.TransportError, match="handshake") as ei:
+                t.write(p.address, [src.ctypes.data], [p.base], [4096], timeout_s=bound)
+            assert time.monotonic() - t0 < bound + 0.5
+            assert ei.value.transient is True
+        handshakes = [th for th in threading.enumerate() if th.name.startswith("kvops-mooncake-handshake")]
+        assert len(handshakes) == 1
+        t0 = time.monotonic()
+        t.close(timeout_s=0.5)
+        assert time.monotonic() - t0 < 1.5
+        with pytest.raises(transports.TransportError, match="closed"):
+            t.write(p.address, [src.ctypes.data], [p.base], [4096], timeout_s=1)
+        p.kill()  # the blocked handshake now sees the connection close and returns
+        handshakes[0].join(10)
+        assert not handshakes[0].is_alive()
+    finally:
+        t.close(timeout_s=1)
+        p.kill()
+
+
+def test_close_during_write_from_another_thread():
+    transports = _import_transports()
+    p = Peer(64 << 20)
+    src = _source(64 << 20, seed=11)
+    t = transports.MooncakeTransport(host="127.0.0.1")
+    errors = []
+    try:
+        t.register(src.ctypes.data, src.size)
+        t.write(p.address, [src.ctypes.data], [p.base], [4096], timeout_s=10)
+        os.kill(p.pid, signal.SIGSTOP)
+
+        def writer():
+            try:
+                t.write(p.address, [src.ctypes.data], [p.base], [src.size], timeout_s=30)
+            except transports.TransportError as exc:
+                errors.append(exc)
+
+        th = threading.Thread(target=writer)
+        th.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        t.close(timeout_s=1.0)
+        assert time.monotonic() - t0 < 2.0
+        th.join(5)
+        assert not th.is_alive()
+        assert len(errors) == 1 and "closed" in str(errors[0]) and errors[0].transient is False
+        t.close()  # idempotent
+    finally:
+        t.close(timeout_s=1)
+        p.kill()
+
+
+def test_close_does_not_leak_threads(peer):
+    transports = _import_transports()
+    src = _source(1 << 20, seed=12)
+
+    def cycle():
+        t = transports.MooncakeTransport(host="127.0.0.1")
+        t.register(src.ctypes.data, src.size)
+        t.write(peer.address, [src.ctypes.data], [peer.base], [src.size], timeout_s=10)
+        t.close(timeout_s=5)
+
+    cycle()  # the first engine in a process leaves a few process-wide threads behind
+    time.sleep(0.2)
+    baseline = _thread_count()
+    for _ in range(3):
+        cycle()
+    time.sleep(0.2)
+    assert _thread_count() <= baseline, f"{_thread_count()} threads, {baseline} before"

@@ -1,0 +1,92 @@
+"""Layer-wise push over Mooncake TCP (loopback, two processes): contiguous blocks vs
+the same bytes as fragmented blocks, and a sweep of the transport's batch size."""
+from __future__ import annotations
+
+import time
+from typing import Dict, List
+
+import numpy as np
+import torch
+
+from ..connector import ConnectorConfig, LayerwiseConnector
+from ..plan import TransferRequest
+from ..testing.consumer_process import ConsumerProcess
+from ..transports.mooncake import MooncakeTransport
+from .common import gbps
+
+
+def _push_once(conn: LayerwiseConnector, caches, peer: str, src, dst, tag: str) -> float:
+    t0 = time.perf_counter()
+    conn.start_step([TransferRequest(tag, peer, src, dst)])
+    for layer, cache in enumerate(caches):
+        conn.save_kv_layer(layer, cache)
+    conn.wait_for_save(timeout=120)
+    elapsed = time.perf_counter() - t0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        finished, failed = conn.get_finished()
+        if failed:
+            raise RuntimeError(f"benchmark transfer {tag} failed")
+        if tag in finished:
+            return elapsed
+        time.sleep(0.001)
+    raise TimeoutError(f"benchmark transfer {tag} never finished")
+
+
+def contiguous_vs_fragmented(layers: int, blocks: int, block_bytes: int, repeats: int,
+                             transport_kwargs: Dict[str, object]) -> Dict[str, object]:
+    pool = blocks * 2
+    shape = (block_bytes // 4,)
+    consumer = ConsumerProcess(layers, pool, shape, transport_kwargs=transport_kwargs)
+    transport = MooncakeTransport(host="127.0.0.1", **transport_kwargs)
+    try:
+        caches = [torch.randn(pool, *shape) for _ in range(layers)]
+        with LayerwiseConnector("producer", transport, ConnectorConfig(transfer_timeout_s=30)) as conn:
+            conn.register_kv_caches(caches)
+            peer = conn.add_peer(consumer.info)
+            rng = np.random.default_rng(0)
+            contiguous = (list(range(blocks)), list(range(blocks)))
+            fragmented = (rng.choice(pool, blocks, replace=False).tolist(),
+                          rng.choice(pool, blocks, replace=False).tolist())
+            times: Dict[str, List[float]] = {"contiguous": [], "fragmented": []}
+            for i in range(repeats + 1):  # alternate, first round is warm-up
+                for name, (src, dst) in (("contiguous", contiguous), ("fragmented", fragmented)):
+                    t = _push_once(conn, caches, peer, src, dst, f"{name}-{i}")
+                    if i:
+                        times[name].append(t)
+    finally:
+        consumer.stop()
+        transport.close()
+    nbytes = layers * blocks * block_bytes
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    return {"layers": layers, "blocks_per_layer": blocks, "block_bytes": block_bytes,
+            "bytes": nbytes, "transport": transport_kwargs, "seconds": med,
+            "gbps": {k: gbps(nbytes, v) for k, v in med.items()},
+            "fragmented_over_contiguous_throughput": med["contiguous"] / med["fragmented"]}
+
+
+def run(quick: bool = False) -> Dict[str, object]:
+    repeats = 2 if quick else 5
+    layers, blocks = (8, 1024) if quick else (16, 2048)
+    main = contiguous_vs_fragmented(layers, blocks, 16 << 10, repeats, {})
+    sweep = []
+    for batch in ((64, 256) if quick else (32, 128, 256, 512)):
+        r = contiguous_vs_fragmented(layers // 2, blocks, 16 << 10, max(1, repeats // 2),
+                                     {"max_batch_descriptors": batch})
+        sweep.append({"max_batch_descriptors": batch, "fragmented_gbps": r["gbps"]["fragmented"],
+                      "contiguous_gbps": r["gbps"]["contiguous"],
+                      "ratio": r["fragmented_over_contiguous_throughput"]})
+    return {"contiguous_vs_fragmented": main, "batch_sweep": sweep}
+
+
+def print_table(result: Dict[str, object]) -> None:
+    m = result["contiguous_vs_fragmented"]
+    print(f"push of {m['layers']} layers x {m['blocks_per_layer']} blocks x {m['block_bytes']} B "
+          f"({m['bytes'] / 2**20:.0f} MiB) over Mooncake TCP loopback")
+    for k in ("contiguous", "fragmented"):
+        print(f"  {k:11} {m['seconds'][k] * 1e3:9.1f} ms {m['gbps'][k]:7.2f} GB/s")
+    print(f"  fragmented / contiguous throughput: {m['fragmented_over_contiguous_throughput']:.2f}x")
+    print("  batch sweep (max_batch_descriptors: fragmented GB/s, contiguous GB/s, ratio)")
+    for s in result["batch_sweep"]:
+        print(f"    {s['max_batch_descriptors']:5}: {s['fragmented_gbps']:.2f} {s['contiguous_gbps']:.2f} "
+              f"{s['ratio']:.2f}")
