@@ -42,14 +42,16 @@ fi
 PY_INFO=$("$PY" - <<'EOF'
 import sysconfig as s
 inc = {s.get_paths()["include"], s.get_paths()["platinclude"]}
-print(" ".join("-isystem" + p for p in sorted(inc)))
+print(":".join(sorted(inc)))
 print(s.get_config_var("LIBDIR") or "")
 print("python" + (s.get_config_var("LDVERSION") or s.get_python_version()))
 print(s.get_config_var("EXT_SUFFIX") or ".so")
 print(s.get_config_var("Py_ENABLE_SHARED") or 0)
+import sys
+print("cp%d%d" % sys.version_info[:2])
 EOF
 ) || die "cannot query $PY's sysconfig"
-{ read -r PY_INCLUDES; read -r PY_LIBDIR; read -r PY_LIB; read -r EXT_SUFFIX; read -r PY_SHARED; } <<<"$PY_INFO"
+{ read -r PY_INCLUDE_DIRS; read -r PY_LIBDIR; read -r PY_LIB; read -r EXT_SUFFIX; read -r PY_SHARED; read -r PY_TAG; } <<<"$PY_INFO"
 [ "$PY_SHARED" = 1 ] && [ -e "$PY_LIBDIR/lib$PY_LIB.so" ] ||
   die "$PY has no shared lib$PY_LIB.so in '$PY_LIBDIR': needed to link with --no-undefined"
 
@@ -84,13 +86,14 @@ if [ -n "${KVOPS_TORCH_CUDA_WHEEL:-}" ]; then
   WHEEL=$KVOPS_TORCH_CUDA_WHEEL
   [ -f "$WHEEL" ] || die "KVOPS_TORCH_CUDA_WHEEL=$WHEEL is not a file"
 else
-  WHEEL=$(ls -1 "$CACHE/wheels/torch-$TORCH_VERSION-"*.whl 2>/dev/null | head -n 1 || true)
+  # Only a wheel for this Python: libtorch_python must match the libpython we link.
+  WHEEL=$(ls -1 "$CACHE/wheels/torch-$TORCH_VERSION-$PY_TAG-"*.whl 2>/dev/null | head -n 1 || true)
   if [ -z "$WHEEL" ]; then
     log "downloading torch==$TORCH_VERSION (CUDA wheel, ~530 MB) into $CACHE/wheels"
     "$PY" -m pip download --isolated --no-deps --quiet "torch==$TORCH_VERSION" -d "$CACHE/wheels" ||
       die "pip download torch==$TORCH_VERSION failed; set KVOPS_TORCH_CUDA_WHEEL to a local CUDA torch wheel"
-    WHEEL=$(ls -1 "$CACHE/wheels/torch-$TORCH_VERSION-"*.whl 2>/dev/null | head -n 1 || true)
-    [ -n "$WHEEL" ] || die "pip download left no torch-$TORCH_VERSION wheel in $CACHE/wheels"
+    WHEEL=$(ls -1 "$CACHE/wheels/torch-$TORCH_VERSION-$PY_TAG-"*.whl 2>/dev/null | head -n 1 || true)
+    [ -n "$WHEEL" ] || die "pip download left no torch-$TORCH_VERSION-$PY_TAG wheel in $CACHE/wheels"
   fi
 fi
 WHEEL_VERSION_PY=$(unzip -p "$WHEEL" torch/version.py) || die "$WHEEL is not a torch wheel"
@@ -116,8 +119,11 @@ for lib in libc10.so libc10_cuda.so libtorch.so libtorch_cpu.so libtorch_cuda.so
   [ -e "$TL/$lib" ] || die "$lib is missing from $WHEEL"
 done
 
-# The wheel's libstdc++ ABI: std::__cxx11 names in libc10 mean _GLIBCXX_USE_CXX11_ABI=1.
-if nm -D --defined-only "$TL/libc10.so" | grep -q '__cxx11'; then CXX11_ABI=1; else CXX11_ABI=0; fi
+# The wheel's libstdc++ ABI: functions returning std::string carry the [abi:cxx11] tag
+# (mangled "B5cxx11") only when torch was built with _GLIBCXX_USE_CXX11_ABI=1.
+# (grep -c, not grep -q: an early exit would SIGPIPE nm and fail the pipeline.)
+ABI_TAGGED=$(nm -D --defined-only "$TL/libc10.so" | grep -c 'B5cxx11' || true)
+if [ "${ABI_TAGGED:-0}" -gt 0 ]; then CXX11_ABI=1; else CXX11_ABI=0; fi
 
 # ---- Compile ----------------------------------------------------------------------------
 CXX_STD=${KVOPS_CXX_STD:-c++20}
@@ -129,8 +135,9 @@ mkdir -p "$BUILD"
 DEFS=(-DKVOPS_WITH_CUDA=1 -DKVOPS_WITH_NPU=0 -DTORCH_EXTENSION_NAME=_C
       -DTORCH_API_INCLUDE_EXTENSION_H "-D_GLIBCXX_USE_CXX11_ABI=$CXX11_ABI")
 # -isystem: warnings are reported for csrc/ only, not for torch's headers.
-# shellcheck disable=SC2206
-INCS=(-isystem "$TI" -isystem "$TI/torch/csrc/api/include" -isystem "$CUDA_HOME/include" $PY_INCLUDES)
+INCS=(-isystem "$TI" -isystem "$TI/torch/csrc/api/include" -isystem "$CUDA_HOME/include")
+IFS=: read -r -a PY_INCLUDE_LIST <<<"$PY_INCLUDE_DIRS"
+for dir in "${PY_INCLUDE_LIST[@]}"; do INCS+=(-isystem "$dir"); done
 WARN=(-Wall -Wextra -Wno-unused-parameter)
 [ "${KVOPS_CHECK_WERROR:-0}" = 1 ] && WARN+=(-Werror)
 # -O0: this checks compilation and linkage, not generated code, and is ~2x faster.
@@ -234,9 +241,9 @@ grep -qx "PyInit__C" <<<"$DEFINED" || die "$SO does not define PyInit__C"
 if grep -q '^cuMemcpyBatchAsync\|^cu[A-Z]' <<<"$UNDEFINED"; then
   die "$SO references driver symbols directly ($(grep '^cu[A-Z]' <<<"$UNDEFINED" | tr '\n' ' ')): resolve them at run time instead"
 fi
-for lib in libtorch_cuda.so libc10_cuda.so; do
-  grep -qx "$lib" <<<"$NEEDED" || die "$SO does not link $lib"
-done
+# (libtorch_cuda.so itself may be dropped by a default --as-needed: nothing of ours
+# calls into it directly, and libtorch.so loads it.)
+grep -qx "libc10_cuda.so" <<<"$NEEDED" || die "$SO does not link libc10_cuda.so"
 grep -q '^libcudart\.so' <<<"$NEEDED" || die "$SO does not link libcudart"
 if grep -q '^libcuda\.so\|^libcublas\|^libcusparse' <<<"$NEEDED"; then
   die "$SO links $(grep '^libcuda\.so\|^libcublas\|^libcusparse' <<<"$NEEDED" | tr '\n' ' '): it must not"

@@ -21,8 +21,14 @@
 // callback only appends to the pool's queue. A LayerEvents pool must outlive every
 // graph that captured its ops: destroying it destroys the events the graph records.
 //
+// This file holds host code only. Its body is skipped in nvcc's device passes
+// (__CUDA_ARCH__ defined), which would otherwise parse all of torch's headers again for
+// nothing: put any future __global__ kernel outside the #ifndef below.
+//
 // Only c10/cuda headers are used (not ATen/cuda/CUDAContext.h, which pulls in cuBLAS and
 // cuSPARSE headers), plus cuda.h for the driver types. Nothing here links libcuda.
+#ifndef __CUDA_ARCH__
+
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -270,46 +276,68 @@ void swap_blocks_batch_cuda(at::TensorList src, at::TensorList dst, const at::Te
 // Raw addresses (.ptrs). The CPU kernel dispatches the op (its tensors live on the CPU)
 // and asks this copier first.
 
-bool any_primary_context() {
-  const c10::DeviceIndex n = c10::cuda::device_count();
-  for (c10::DeviceIndex i = 0; i < n; ++i) {
-    if (c10::cuda::hasPrimaryContext(i)) return true;
+// A device whose primary context exists (the current one preferred), or -1 if none.
+int device_with_context() {
+  try {
+    const c10::DeviceIndex current = c10::cuda::current_device();
+    if (c10::cuda::hasPrimaryContext(current)) return current;
+    const c10::DeviceIndex n = c10::cuda::device_count();
+    for (c10::DeviceIndex i = 0; i < n; ++i) {
+      if (c10::cuda::hasPrimaryContext(i)) return i;
+    }
+    return -1;
+  } catch (const c10::Error&) {
+    return -1;  // no usable driver / device: there is no CUDA memory to copy
   }
-  return false;
 }
 
-// Device ordinal of device / managed memory, kHost for host memory (pageable, pinned or
-// unknown to CUDA).
-int where_of_address(uintptr_t address) {
+// Device ordinal of device / managed memory, kHost for host memory (pageable, or pinned:
+// a host->host copy is a host memcpy either way). `known` is false when CUDA could not
+// classify the address.
+struct AddressKind {
+  int where = kHost;
+  bool known = false;
+};
+
+AddressKind classify_address(uintptr_t address) {
   cudaPointerAttributes attr;
   std::memset(&attr, 0, sizeof(attr));
   if (cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(address)) != cudaSuccess) {
-    (void)cudaGetLastError();  // not sticky, but must not leak into a later torch check
-    return kHost;
+    (void)cudaGetLastError();  // must not leak into a later, unrelated torch check
+    return {kHost, false};
   }
   if (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) {
-    return attr.device;
+    return {attr.device, true};
   }
-  return kHost;
+  return {kHost, true};  // cudaMemoryTypeUnregistered or cudaMemoryTypeHost
 }
 
 // All addresses of one call must be of one kind pair (e.g. all device->host): only the
-// first descriptor is inspected. Host->host calls are left to the CPU memcpy (returns
-// false). Anything involving device memory is copied on the current stream of the
-// device that owns the destination (the source's, for device->host), which is the
-// current device in the usual one-GPU-per-process setup, and returns true.
+// first descriptor is inspected. A call whose two sides are both known host memory is
+// left to the CPU memcpy (returns false). Anything else, device memory on either side
+// or an address CUDA could not classify, is copied with cudaMemcpyDefault semantics
+// (correct for any pair) on the current stream of the device that owns the destination
+// (the source's, for device->host), which is the current device in the usual
+// one-GPU-per-process setup; returns true.
 bool cuda_ptr_copier(const std::vector<CopyDesc>& descs) {
   if (descs.empty()) return false;
   // No primary context anywhere: no CUDA allocation can exist, and querying would
-  // create a context (hundreds of MB of device memory) for a host-only copy.
-  if (!any_primary_context()) return false;
-  const int src_where = where_of_address(descs.front().src);
-  const int dst_where = where_of_address(descs.front().dst);
-  if (src_where == kHost && dst_where == kHost) return false;
-  const auto index = static_cast<c10::DeviceIndex>(dst_where != kHost ? dst_where : src_where);
+  // create a context (hundreds of MB of device memory) for a host-only copy. The queries
+  // run on a device that already has one, so they never create a context either.
+  const int queried_on = device_with_context();
+  if (queried_on < 0) return false;
+  AddressKind src, dst;
+  {
+    c10::cuda::CUDAGuard query_guard(static_cast<c10::DeviceIndex>(queried_on));
+    src = classify_address(descs.front().src);
+    dst = classify_address(descs.front().dst);
+  }
+  if (src.known && dst.known && src.where == kHost && dst.where == kHost) return false;
+  const int owner = dst.where != kHost ? dst.where : src.where != kHost ? src.where : queried_on;
+  const auto index = static_cast<c10::DeviceIndex>(owner);
   c10::cuda::CUDAGuard guard(index);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(index).stream();
-  copy_on_stream(descs, stream, src_where, dst_where);
+  copy_on_stream(descs, stream, src.where, dst.where);
   return true;
 }
 
@@ -402,7 +430,7 @@ CudaLayerEvents& cuda_events_of(const LayerEventPool& pool) {
 }
 
 void record_layer_event_cuda(const at::Tensor& kv_cache, int64_t handle, int64_t layer) {
-  auto pool = get_layer_event_pool(handle, layer, kv_cache.device());
+  auto pool = pool_for_op(kv_cache, handle, layer);  // device, range and binding checks
   const cudaEvent_t ev = cuda_events_of(*pool).event(layer);
   const c10::Device device = kv_cache.device();
   c10::cuda::CUDAGuard guard(device);
@@ -429,7 +457,7 @@ void CUDART_CB push_layer_host_callback(void* packed) {
 }
 
 void push_layer_cuda(const at::Tensor& kv_cache, int64_t handle, int64_t layer) {
-  auto pool = get_layer_event_pool(handle, layer, kv_cache.device());
+  auto pool = pool_for_op(kv_cache, handle, layer);  // device, range and binding checks
   const c10::Device device = kv_cache.device();
   c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
@@ -465,3 +493,5 @@ TORCH_LIBRARY_IMPL(kvops, CUDA, m) {
 }
 
 }  // namespace kvops
+
+#endif  // __CUDA_ARCH__
