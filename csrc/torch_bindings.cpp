@@ -35,11 +35,15 @@ namespace {
 
 std::optional<int64_t> next_ready(int64_t handle, std::optional<double> timeout_s) {
   auto pool = kvops::find_layer_event_pool(handle);
-  TORCH_CHECK(pool, "LayerEvents: unknown or closed handle ", handle);
+  if (!pool && kvops::layer_event_pool_was_closed(handle)) return std::nullopt;
+  TORCH_CHECK(pool, "LayerEvents: unknown handle ", handle);
   return pool->next_ready(timeout_s.value_or(-1.0));
 }
 
 bool wait_layer(int64_t handle, int64_t layer, std::optional<double> timeout_s) {
+  if (!kvops::find_layer_event_pool(handle) && kvops::layer_event_pool_was_closed(handle)) {
+    return false;
+  }
   auto pool = kvops::get_layer_event_pool(handle, layer, std::nullopt);
   return pool->wait(layer, timeout_s.value_or(-1.0));
 }

@@ -236,6 +236,18 @@ def test_layer_events_bad_handle_and_layer():
         LayerEvents(0)
 
 
+def test_closed_events_answer_nothing_and_unknown_handles_raise():
+    events = LayerEvents(2)
+    events.close()
+    # A sender racing close() ends quietly ...
+    assert events.next_ready(0.01) is None
+    assert events.wait(0, 0.01) is False
+    # ... while a handle that never existed is a bug worth an error.
+    from torch_kvops import _C
+    with pytest.raises(RuntimeError, match="unknown handle"):
+        _C.layer_events_next_ready(10**9, 0.01)
+
+
 def test_layer_events_close_wakes_blocked_reader():
     events = LayerEvents(2)
     result = []

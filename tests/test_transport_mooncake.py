@@ -180,9 +180,13 @@ def test_init_rejects_foreign_host_and_unknown_protocol():
         transports.MooncakeTransport(protocol="carrier-pigeon")
     has_rdma = os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband")
     if not has_rdma:  # Mooncake would silently use TCP: the transport must refuse instead
+        transports.MooncakeTransport(host="127.0.0.1").close()  # first engine: process-wide threads
+        baseline = _thread_count()
         with pytest.raises(transports.TransportError, match="no RDMA device") as ei:
             transports.MooncakeTransport(protocol="rdma")
         assert ei.value.transient is False
+        # the half-made engine is gone at once, not when the traceback is collected
+        assert _thread_count() <= baseline
 
 
 def test_register_is_idempotent_and_address_format(transport):
@@ -463,19 +467,27 @@ def test_close_during_write_from_another_thread():
 
 
 def test_close_does_not_leak_threads(peer):
+    """close() destroys the engine and its threads at once, also when the caller still
+    holds an exception (and so a traceback) from a failed write()."""
     transports = _import_transports()
     src = _source(1 << 20, seed=12)
+    kept = []
 
-    def cycle():
+    def cycle(fail):
         t = transports.MooncakeTransport(host="127.0.0.1")
         t.register(src.ctypes.data, src.size)
         t.write(peer.address, [src.ctypes.data], [peer.base], [src.size], timeout_s=10)
+        if fail:
+            try:
+                t.write(peer.address, [src.ctypes.data], [peer.base + peer.size], [64], timeout_s=5)
+            except transports.TransportError as exc:
+                kept.append(exc)
+            assert kept
         t.close(timeout_s=5)
 
-    cycle()  # the first engine in a process leaves a few process-wide threads behind
+    cycle(False)  # the first engine in a process leaves a few process-wide threads behind
     time.sleep(0.2)
     baseline = _thread_count()
-    for _ in range(3):
-        cycle()
-    time.sleep(0.2)
-    assert _thread_count() <= baseline, f"{_thread_count()} threads, {baseline} before"
+    for fail in (False, True, True):
+        cycle(fail)
+        assert _thread_count() <= baseline, f"{_thread_count()} threads, {baseline} before"

@@ -150,6 +150,7 @@ class LayerwiseConnector:
         self._current: Optional[_Step] = None
         self._sender: Optional[threading.Thread] = None
         self._sender_error: Optional[BaseException] = None
+        self._last_trace: List[dict] = []
         self._stop = threading.Event()
         # consumer
         self._incoming: Dict[str, _Incoming] = {}
@@ -297,6 +298,7 @@ class LayerwiseConnector:
 
     def _run_step(self, step: _Step) -> None:
         self._stats.add(steps=1)
+        trace: List[dict] = []
         for peer_id, entries in step.plan.by_peer.items():
             peer = self._peers[peer_id]
             if peer.dead:
@@ -331,7 +333,10 @@ class LayerwiseConnector:
             for peer_id, blocks, (src, dst, lengths) in by_layer(layer):
                 if peer_id not in step.failed_peers:
                     self._write_layer(step, peer_id, layer, blocks, src, dst, lengths)
-            self._stats.layer(layer, t1 - t0, time.perf_counter() - t1)
+            t2 = time.perf_counter()
+            self._stats.layer(layer, t1 - t0, t2 - t1)
+            trace.append({"layer": layer, "pushed": t0, "event_ready": t1, "landed": t2})
+            self._last_trace = trace
             self._stats.add(layers_sent=1)
             remaining.discard(layer)
         self._finish_step(step)
@@ -543,6 +548,12 @@ class LayerwiseConnector:
             finished, failed = self._finished, self._failed
             self._finished, self._failed = set(), set()
         return finished, failed
+
+    def last_step_trace(self) -> List[dict]:
+        """Per layer of the last step: when the sender took the push (``pushed``), when
+        the layer's event was complete (``event_ready``) and when its writes returned,
+        i.e. its bytes landed (``landed``); ``time.perf_counter()`` seconds."""
+        return list(self._last_trace)
 
     def stats(self) -> dict:
         """Counters (bytes, layers, requests finished/failed, retries, errors) and

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 namespace kvops {
 namespace {
@@ -17,6 +18,9 @@ struct Registry {
   int64_t next_handle = 1;
   std::unordered_map<int64_t, std::shared_ptr<LayerEventPool>> pools;
   std::unordered_map<int, DeviceEventsFactory> factories;
+  // Device events of closed pools are kept: a captured CUDA graph may still record
+  // them on replay, and recording a destroyed event is undefined behaviour.
+  std::vector<std::shared_ptr<LayerEventPool>> retired;
 };
 
 Registry& registry() {
@@ -147,6 +151,12 @@ int64_t create_layer_event_pool(int64_t num_layers, c10::Device device) {
   return handle;
 }
 
+bool layer_event_pool_was_closed(int64_t handle) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  return handle > 0 && handle < r.next_handle && r.pools.find(handle) == r.pools.end();
+}
+
 std::shared_ptr<LayerEventPool> find_layer_event_pool(int64_t handle) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
@@ -183,6 +193,7 @@ void close_layer_event_pool(int64_t handle) {
     if (it == r.pools.end()) return;
     pool = it->second;
     r.pools.erase(it);
+    if (!pool->device().is_cpu()) r.retired.push_back(pool);
   }
   pool->close();
 }

@@ -79,6 +79,9 @@ std::shared_ptr<LayerEventPool> get_layer_event_pool(int64_t handle, int64_t lay
 // device and at the address bound to `layer` (if bound).
 std::shared_ptr<LayerEventPool> pool_for_op(const at::Tensor& kv_cache, int64_t handle,
                                             int64_t layer);
+// True for a handle that existed and was closed (blocking host calls then return
+// "nothing" instead of raising, so a waiter racing close() ends quietly).
+bool layer_event_pool_was_closed(int64_t handle);
 // Non-throwing lookup for host callbacks: nullptr when the pool is gone.
 std::shared_ptr<LayerEventPool> find_layer_event_pool(int64_t handle);
 void close_layer_event_pool(int64_t handle);

@@ -29,6 +29,7 @@ import os
 import socket
 import threading
 import time
+import traceback
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -48,6 +49,9 @@ MOONCAKE_INSTALL_HINT = (
 
 # transfer_check_status results
 _DONE, _PENDING, _FAILED, _TIMED_OUT = 1, 0, -1, -2
+# Longest time write() spends, after a transfer failed, finding out whether to report it
+# as transient (peer gone or hung) or permanent (peer rejected the destination range).
+_DIAGNOSIS_S = 1.0
 
 # The environment variable that makes Mooncake install only its TCP transport. Without
 # it, TransferEngine.initialize() ignores its protocol argument and installs RDMA
@@ -182,6 +186,20 @@ class MooncakeTransport(Transport):
 
         _check_local_host(host)
         engine = engine_cls()
+        try:
+            port = self._initialize(engine, host, protocol, device_name)
+        except BaseException as exc:
+            # Destroy the half-made engine now rather than whenever the traceback's
+            # frames are collected: destruction blocks (with the GIL held) for up to
+            # ~1 s, which should not hit some unrelated code later.
+            traceback.clear_frames(exc.__traceback__)
+            del engine
+            raise
+        self._engine = engine
+        self._address = f"{host}:{port}"
+
+    @staticmethod
+    def _initialize(engine, host: str, protocol: str, device_name: str) -> int:
         with _ENV_LOCK:
             previous = os.environ.get(_FORCE_TCP_ENV)
             if protocol == "tcp":
@@ -201,13 +219,12 @@ class MooncakeTransport(Transport):
             raise TransportError(f"Mooncake TransferEngine.initialize({host!r}, 'P2PHANDSHAKE', "
                                  f"{protocol!r}, {device_name!r}) failed with {rc}; see Mooncake's "
                                  "log above for the cause", transient=False)
-        port = engine.get_rpc_port()
+        port = engine.get_rpc_port()  # only after a successful initialize: it crashes before
         if not isinstance(port, int) or port <= 0:
             raise TransportError(f"Mooncake initialized but reports RPC port {port!r}", transient=False)
         if protocol == "rdma":
-            self._check_rdma_devices(engine, device_name)
-        self._engine = engine
-        self._address = f"{host}:{port}"
+            MooncakeTransport._check_rdma_devices(engine, device_name)
+        return port
 
     @staticmethod
     def _check_rdma_devices(engine, device_name: str) -> None:
@@ -373,13 +390,13 @@ class MooncakeTransport(Transport):
             length = np.minimum(length[owner] - offset, cap)
         return s, d, length, region
 
-    def _probe_peer(self, peer: str, deadline: float) -> Optional[str]:
+    def _probe_peer(self, peer: str, until: float) -> Optional[str]:
         """None if the peer's handshake port accepts a TCP connection, else why not."""
         try:
             host, port = _split_address(peer)
         except TransportError as exc:
             return str(exc)
-        timeout = min(1.0, max(0.05, deadline - time.monotonic()))
+        timeout = min(0.5, max(0.05, until - time.monotonic()))
         try:
             with socket.create_connection((host, port), timeout=timeout):
                 return None
@@ -441,7 +458,7 @@ class MooncakeTransport(Transport):
                         "not answer); it continues in the background", transient=True, peer=peer)
             if hs.ok:
                 return
-            why = self._probe_peer(peer, deadline)
+            why = self._probe_peer(peer, time.monotonic() + _DIAGNOSIS_S)
             if why is not None:
                 raise TransportError(f"cannot reach peer {peer}: {hs.error}; its handshake port "
                                      f"refuses connections ({why}) - is the peer process alive?",
@@ -458,8 +475,8 @@ class MooncakeTransport(Transport):
 
         Returns only when every byte has landed in the peer's memory. Raises
         :class:`TransportError` within about ``timeout_s`` seconds (default
-        ``default_timeout_s``; a failure reply can add up to one second for a
-        reachability probe): ``transient=True`` for a timeout or an unreachable peer,
+        ``default_timeout_s``; when a transfer fails, telling a dead peer from a
+        rejecting one can add up to one second): ``transient=True`` for a timeout or an unreachable peer,
         ``False`` for unregistered local memory, a peer that rejected the write (its
         destination range is not inside one region the peer registered), or a closed
         transport. Zero-length descriptors are ignored; destination ranges must not
@@ -491,6 +508,12 @@ class MooncakeTransport(Transport):
         try:
             self._ensure_peer(peer, deadline)
             self._transfer(peer, s, d, n, region, inflight, start, deadline, timeout)
+        except BaseException as exc:
+            # The helper frames hold the engine; a traceback kept alive by the caller
+            # would keep it from being destroyed by close() and have it destroyed at
+            # some random garbage collection instead (which stalls the GIL ~1 s).
+            traceback.clear_frames(exc.__traceback__)
+            raise
         finally:
             with self._cond:
                 for bid, _, r in inflight:  # left behind: still moving bytes
@@ -520,8 +543,8 @@ class MooncakeTransport(Transport):
                     not inflight or bytes_inflight + len_l[nxt] <= max_bytes):
                 bid = submit(peer, src_l[nxt], dst_l[nxt], len_l[nxt])
                 if bid == 0:
-                    self._fail(peer, deadline, f"Mooncake refused to submit descriptor {nxt} of "
-                                               f"{total}", inflight)
+                    self._fail(peer, f"Mooncake refused to submit descriptor {nxt} of {total}",
+                               inflight)
                 inflight.append((bid, nxt, reg_l[nxt]))
                 bytes_inflight += len_l[nxt]
                 nxt += 1
@@ -542,7 +565,7 @@ class MooncakeTransport(Transport):
                 else:  # _FAILED (id freed by Mooncake) or _TIMED_OUT (id stays allocated)
                     del inflight[i]
                     done_bytes = sum(len_l[:nxt]) - bytes_inflight
-                    self._fail(peer, deadline,
+                    self._fail(peer,
                                f"Mooncake reported status {st} for descriptor {k} "
                                f"([{src_l[k]:#x}, +{len_l[k]}) -> {dst_l[k]:#x}) after "
                                f"{time.monotonic() - start:.3f}s; {done_bytes} of {total_bytes} "
@@ -568,7 +591,7 @@ class MooncakeTransport(Transport):
                 sleep = min(sleep * 2.0, self.max_poll_interval_s)
             time.sleep(min(sleep, max(0.0, deadline - now)))
 
-    def _fail(self, peer: str, deadline: float, what: str, inflight: list,
+    def _fail(self, peer: str, what: str, inflight: list,
               retry: Optional[Tuple[int, int, int, int]] = None) -> None:
         """Raise the TransportError for a failed transfer, classified.
 
@@ -576,11 +599,12 @@ class MooncakeTransport(Transport):
         (its destination range is not registered there: permanent) from a dead or hung
         peer (worth retrying), check whether the peer's handshake port accepts TCP
         connections and, if it does, write the failed descriptor once more (the very
-        same bytes to the very same place, so harmless) and watch it for up to ~1 s:
-        a prompt failure means the peer rejects it, success or silence means the first
-        failure was a connection problem.
+        same bytes to the very same place, so harmless) and watch it: a prompt failure
+        while the port stays open means the peer rejects it, success or silence means the
+        first failure was a connection problem. All of this takes at most _DIAGNOSIS_S.
         """
-        why = self._probe_peer(peer, deadline)
+        until = time.monotonic() + _DIAGNOSIS_S
+        why = self._probe_peer(peer, until)
         if why is not None:
             raise TransportError(f"write to {peer} failed: {what}; the peer's handshake port "
                                  f"refuses connections ({why}) - peer process gone or restarting?",
@@ -589,14 +613,15 @@ class MooncakeTransport(Transport):
             raise TransportError(f"write to {peer} failed: {what}", transient=True, peer=peer)
         s, d, n, region = retry
         engine = self._engine
+        resent_at = time.monotonic()
         bid = engine.transfer_submit_write(peer, s, d, n) if engine is not None else 0
         if bid == 0:
             raise TransportError(f"write to {peer} failed: {what}", transient=True, peer=peer)
-        end = time.monotonic() + min(1.0, max(0.2, deadline - time.monotonic()))
         st = engine.transfer_check_status(bid)
-        while st == _PENDING and time.monotonic() < end:
+        while st == _PENDING and time.monotonic() < until - 0.1:
             time.sleep(0.002)
             st = engine.transfer_check_status(bid)
+        resend_s = time.monotonic() - resent_at
         if st == _PENDING:
             inflight.append((bid, -1, region))  # becomes an orphan; same bytes, same place
             raise TransportError(f"write to {peer} failed: {what}; the peer accepts connections but "
@@ -605,6 +630,15 @@ class MooncakeTransport(Transport):
         if st == _DONE:
             raise TransportError(f"write to {peer} failed: {what}; a re-send of that descriptor "
                                  "succeeded, so it was a transient connection problem", transient=True,
+                                 peer=peer)
+        # A rejection comes back within a round trip. A slow failure, or a handshake port
+        # that closed meanwhile, means the peer is going away (a killed process closes
+        # its sockets one by one, so the first probe may still have been answered).
+        why = self._probe_peer(peer, until)
+        if why is not None or resend_s > 0.3:
+            state = f"now refuses connections ({why})" if why else f"took {resend_s:.2f}s to fail it"
+            raise TransportError(f"write to {peer} failed: {what}; a re-send failed too and the peer "
+                                 f"{state} - peer process gone or restarting?", transient=True,
                                  peer=peer)
         raise TransportError(
             f"write to {peer} failed: {what}; the peer is up and rejected a re-send as well, so the "

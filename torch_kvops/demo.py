@@ -1,0 +1,378 @@
+"""Disaggregated prefill/decode on a paged-KV Llama, over Mooncake TCP on loopback.
+
+    python -m torch_kvops.demo [--layers 16 --prompt-len 2048 ...]
+
+Two processes: this one is the prefill instance (producer), a spawned one is the
+decode instance (consumer). The decode side allocates blocks for each request and
+waits; prefill runs the prompts and ``save_kv_layer`` pushes every layer as soon as it
+is written; decode then generates greedily from the received KV. The same prompts run
+monolithically in this process first: the tokens must be identical.
+
+Compared in one run, interleaved and repeated (medians): layer-wise push vs pushing
+all layers after the forward, eager and torch.compile'd prefill, plus the forward
+alone and the transfer alone. The last line of output is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Dict, List
+
+os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog INFO lines drown the table
+
+import torch  # noqa: E402
+
+
+def _progress(msg: str) -> None:
+    print(f"[demo] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------- decode process
+
+def decode_main(pipe, cfg_kwargs: dict, num_blocks: int, threads: int) -> None:
+    from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport
+    from torch_kvops.testing.paged_llama import (BlockAllocator, LlamaConfig, PagedLlama,
+                                                 blocks_needed, decode_from_cache)
+    try:
+        torch.set_num_threads(threads)
+        model = PagedLlama(LlamaConfig(**cfg_kwargs)).eval()
+        caches = model.allocate_kv_caches(num_blocks)
+        allocator = BlockAllocator(num_blocks)
+        transport = MooncakeTransport(host="127.0.0.1")
+        conn = LayerwiseConnector("consumer", transport, ConnectorConfig())
+        conn.register_kv_caches(caches)
+        tables: Dict[str, List[int]] = {}
+        pipe.send(("ok", conn.peer_info()))
+        while True:
+            cmd, arg = pipe.recv()
+            if cmd == "alloc":  # [(req_id, prompt_len)] -> {req_id: block table}
+                for req_id, n in arg:
+                    tables[req_id] = allocator.allocate(blocks_needed(n, model.cfg.block_size))
+                    conn.expect(req_id)
+                pipe.send(("ok", {r: list(tables[r]) for r, _ in arg}))
+            elif cmd == "wait":  # request ids -> wall-clock time each one landed
+                pending, landed, failed = set(arg), {}, set()
+                deadline = time.monotonic() + 120
+                while pending and time.monotonic() < deadline:
+                    done, bad = conn.get_finished()
+                    now = time.time()
+                    for r in done & pending:
+                        landed[r] = now
+                    failed |= bad & pending
+                    pending -= done | bad
+                    time.sleep(0.0002)
+                pipe.send(("ok", (landed, sorted(failed | pending))))
+            elif cmd == "decode":  # ([(req_id, prompt_len, first_token)], max_new)
+                reqs, max_new = arg
+                tokens = decode_from_cache(model, [[0] * n for _, n, _ in reqs], [t for _, _, t in reqs],
+                                           [tables[r] for r, _, _ in reqs], caches, max_new, allocator)
+                pipe.send(("ok", tokens))
+            elif cmd == "free":
+                for r in arg:
+                    allocator.free(tables.pop(r))
+                pipe.send(("ok", None))
+            elif cmd == "close":
+                conn.close()
+                transport.close()
+                pipe.send(("ok", None))
+                return
+    except BaseException:
+        pipe.send(("error", traceback.format_exc()))
+        raise
+
+
+class DecodeProcess:
+    def __init__(self, cfg_kwargs: dict, num_blocks: int, threads: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.pipe, child = ctx.Pipe()
+        self.proc = ctx.Process(target=decode_main, args=(child, cfg_kwargs, num_blocks, threads),
+                                daemon=True)
+        self.proc.start()
+        self.info = self.reply(120)
+
+    def send(self, cmd: str, arg=None) -> None:
+        self.pipe.send((cmd, arg))
+
+    def reply(self, timeout: float = 300):
+        if not self.pipe.poll(timeout):
+            raise TimeoutError("decode process did not answer")
+        status, value = self.pipe.recv()
+        if status != "ok":
+            raise RuntimeError(f"decode process failed:\n{value}")
+        return value
+
+    def call(self, cmd: str, arg=None, timeout: float = 300):
+        self.send(cmd, arg)
+        return self.reply(timeout)
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call("close", timeout=30)
+        finally:
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(10)
+
+
+# ---------------------------------------------------------------------- prefill side
+
+class PrefillSide:
+    """The producer: model, caches, connector, and the timed scenarios."""
+
+    def __init__(self, args, decode: DecodeProcess, cfg, prompts) -> None:
+        from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport
+        from torch_kvops.testing.paged_llama import BlockAllocator, PagedLlama
+
+        self.args, self.decode, self.prompts = args, decode, prompts
+        self.model = PagedLlama(cfg).eval()
+        self.caches = self.model.allocate_kv_caches(args.num_blocks)
+        self.allocator = BlockAllocator(args.num_blocks)
+        self.transport = MooncakeTransport(host="127.0.0.1")
+        self.conn = LayerwiseConnector("producer", self.transport, ConnectorConfig())
+        self.conn.register_kv_caches(self.caches)
+        self.peer = self.conn.add_peer(decode.info)
+        self.forwards = {"eager": self.model}
+        if args.compile:
+            self.forwards["compiled"] = torch.compile(self.model, fullgraph=True)
+        self.counter = 0
+
+    def close(self) -> None:
+        self.conn.close()
+        self.transport.close()
+
+    def _tables(self):
+        from torch_kvops import TransferRequest
+        from torch_kvops.testing.paged_llama import blocks_needed
+
+        self.counter += 1
+        ids = [f"r{self.counter}-{i}" for i in range(len(self.prompts))]
+        dst = self.decode.call("alloc", [(r, len(p)) for r, p in zip(ids, self.prompts)])
+        src = [self.allocator.allocate(blocks_needed(len(p), self.model.cfg.block_size))
+               for p in self.prompts]
+        requests = [TransferRequest(r, self.peer, s, dst[r]) for r, s in zip(ids, src)]
+        return ids, src, requests
+
+    def _release(self, ids, src) -> None:
+        self.decode.call("free", ids)
+        for table in src:
+            self.allocator.free(table)
+        deadline = time.monotonic() + 30
+        pending = set(ids)
+        while pending and time.monotonic() < deadline:
+            done, failed = self.conn.get_finished()
+            if failed & pending:
+                raise RuntimeError(f"requests failed: {sorted(failed & pending)}")
+            pending -= done
+            time.sleep(0.001)
+
+    def compute_only(self, flavor: str) -> float:
+        from torch_kvops.testing.paged_llama import prefill
+
+        self.model.kv_hook = None
+        tables = [[] for _ in self.prompts]
+        t0 = time.perf_counter()
+        prefill(self.model, self.prompts, self.caches, tables, allocator=self.allocator,
+                forward=self.forwards[flavor])
+        elapsed = time.perf_counter() - t0
+        for table in tables:
+            self.allocator.free(table)
+        return elapsed
+
+    def transfer_only(self) -> float:
+        ids, src, requests = self._tables()
+        self.conn.start_step(requests)
+        self.decode.send("wait", ids)
+        t0 = time.time()
+        for layer, cache in enumerate(self.caches):
+            self.conn.save_kv_layer(layer, cache)
+        self.conn.wait_for_save(timeout=120)
+        landed, failed = self.decode.reply()
+        if failed:
+            raise RuntimeError(f"transfer failed for {failed}")
+        self._release(ids, src)
+        return max(landed.values()) - t0
+
+    def disaggregated(self, flavor: str, layerwise: bool, verify: List[List[int]] = None):
+        """Returns (kv_ready_s, forward_s, tokens or None, trace)."""
+        from torch_kvops.testing.paged_llama import prefill
+
+        ids, src, requests = self._tables()
+        self.model.kv_hook = self.conn.save_kv_layer if layerwise else None
+        self.conn.start_step(requests)
+        self.decode.send("wait", ids)
+        t0 = time.time()
+        p0 = time.perf_counter()
+        first = prefill(self.model, self.prompts, self.caches, [list(s) for s in src],
+                        forward=self.forwards[flavor])
+        forward_s = time.time() - t0
+        if not layerwise:
+            for layer, cache in enumerate(self.caches):
+                self.conn.save_kv_layer(layer, cache)
+        self.conn.wait_for_save(timeout=120)
+        landed, failed = self.decode.reply()
+        if failed:
+            raise RuntimeError(f"requests failed: {failed}")
+        kv_ready = max(landed.values()) - t0
+        trace = [{k: (v - p0 if k != "layer" else v) for k, v in row.items()}
+                 for row in self.conn.last_step_trace()]
+        tokens = None
+        if verify is not None:
+            tokens = self.decode.call("decode", ([(r, len(p), t) for r, p, t in
+                                                  zip(ids, self.prompts, first)], self.args.new_tokens))
+        self.model.kv_hook = None
+        self._release(ids, src)
+        return kv_ready, forward_s, tokens, trace
+
+
+def reference_tokens(side: PrefillSide, flavor: str) -> List[List[int]]:
+    """Monolithic run in this process: prefill with ``flavor``, eager decode."""
+    from torch_kvops.testing.paged_llama import decode_from_cache, prefill
+
+    side.model.kv_hook = None
+    tables = [[] for _ in side.prompts]
+    try:
+        first = prefill(side.model, side.prompts, side.caches, tables, allocator=side.allocator,
+                        forward=side.forwards[flavor])
+        return decode_from_cache(side.model, side.prompts, first, tables, side.caches,
+                                 side.args.new_tokens, side.allocator)
+    finally:
+        for table in tables:
+            side.allocator.free(table)
+
+
+def run(args) -> dict:
+    from torch_kvops.testing.paged_llama import LlamaConfig, blocks_needed
+
+    torch.set_num_threads(args.threads)
+    cfg = LlamaConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
+                      num_kv_heads=args.kv_heads, intermediate_size=args.intermediate,
+                      block_size=args.block_size, vocab_size=2048, seed=args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist()
+               for _ in range(args.prompts)]
+    per_round = sum(blocks_needed(len(p) + args.new_tokens, cfg.block_size) for p in prompts)
+    args.num_blocks = 3 * per_round + 8
+    cfg_kwargs = {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                                                "intermediate_size", "block_size", "vocab_size", "seed")}
+    kv_mib = args.layers * per_round * cfg.bytes_per_block() / 2**20
+    _progress(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} KV heads; "
+              f"{args.prompts} prompt(s) x {args.prompt_len} tokens; KV to move ~{kv_mib:.0f} MiB; "
+              f"torch threads {args.threads}")
+    _progress("starting the decode process")
+    decode = DecodeProcess(cfg_kwargs, args.num_blocks, args.threads)
+    side = PrefillSide(args, decode, cfg, prompts)
+    flavors = list(side.forwards)
+    try:
+        refs = {}
+        for flavor in flavors:
+            _progress(f"monolithic reference ({flavor}{', compiling: about a minute' if flavor == 'compiled' else ''})")
+            refs[flavor] = reference_tokens(side, flavor)
+        _progress("warm-up of every scenario (compiles the hooked graph)")
+        tokens_match = True
+        for flavor in flavors:
+            for layerwise in (True, False):
+                _, _, tokens, _ = side.disaggregated(flavor, layerwise, verify=refs[flavor])
+                tokens_match &= tokens == refs[flavor]
+        side.transfer_only()
+        samples: Dict[str, List[float]] = {}
+        traces = {}
+        for rep in range(args.repeats):
+            _progress(f"round {rep + 1}/{args.repeats}")
+            for flavor in flavors:
+                samples.setdefault(f"prefill_compute_s[{flavor}]", []).append(side.compute_only(flavor))
+                for layerwise, name in ((True, "layerwise"), (False, "after_forward")):
+                    verify = refs[flavor] if rep == args.repeats - 1 else None
+                    ready, fwd, tokens, trace = side.disaggregated(flavor, layerwise, verify)
+                    if verify is not None:
+                        tokens_match &= tokens == refs[flavor]
+                    samples.setdefault(f"kv_ready_{name}_s[{flavor}]", []).append(ready)
+                    samples.setdefault(f"forward_{name}_s[{flavor}]", []).append(fwd)
+                    traces[f"{name}[{flavor}]"] = trace
+            samples.setdefault("transfer_s", []).append(side.transfer_only())
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        stats = side.conn.stats()
+    finally:
+        side.close()
+        decode.close()
+
+    result = {"tokens_match": bool(tokens_match),
+              "tokens_compiled_equal_eager": refs.get("compiled") == refs["eager"] if "compiled" in refs else None}
+    for flavor in flavors:
+        compute = med[f"prefill_compute_s[{flavor}]"]
+        after, layer = med[f"kv_ready_after_forward_s[{flavor}]"], med[f"kv_ready_layerwise_s[{flavor}]"]
+        overlappable = min(compute, med["transfer_s"])
+        result[flavor] = {"prefill_compute_s": compute, "kv_ready_layerwise_s": layer,
+                          "kv_ready_after_forward_s": after,
+                          "forward_with_layerwise_push_s": med[f"forward_layerwise_s[{flavor}]"],
+                          "hidden_fraction": (after - layer) / overlappable}
+    main = result["eager"]
+    result.update({"prefill_compute_s": main["prefill_compute_s"], "transfer_s": med["transfer_s"],
+                   "kv_ready_layerwise_s": main["kv_ready_layerwise_s"],
+                   "kv_ready_after_forward_s": main["kv_ready_after_forward_s"],
+                   "hidden_fraction": main["hidden_fraction"],
+                   "config": {k: v for k, v in vars(args).items() if k != "json_out"},
+                   "kv_mib": kv_mib, "samples": samples, "traces": traces,
+                   "sender_stats": {k: stats[k] for k in ("bytes_sent", "layers_sent", "retries",
+                                                           "transport_errors", "staged_writes")}})
+    return result
+
+
+def print_report(result: dict) -> None:
+    print()
+    print(f"{'':34} {'eager':>10} {'compiled':>10}")
+    rows = [("prefill forward alone (s)", "prefill_compute_s"),
+            ("forward with layer-wise hooks (s)", "forward_with_layerwise_push_s"),
+            ("KV ready, layer-wise push (s)", "kv_ready_layerwise_s"),
+            ("KV ready, push after forward (s)", "kv_ready_after_forward_s"),
+            ("hidden fraction of overlappable", "hidden_fraction")]
+    for label, key in rows:
+        cols = [result[f][key] if f in result else None for f in ("eager", "compiled")]
+        print(f"{label:34} " + " ".join(f"{c:10.3f}" if c is not None else f"{'-':>10}" for c in cols))
+    print(f"{'transfer of all layers alone (s)':34} {result['transfer_s']:10.3f}")
+    print(f"tokens identical to the monolithic run: {result['tokens_match']}")
+    goal = result["hidden_fraction"]
+    print(f"layer-wise push hid {goal * 100:.0f}% of min(compute, transfer) (goal >= 80%)")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--intermediate", type=int, default=512)
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--prompts", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per process; 1 leaves a core to the transport on 2-core machines")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    print_report(result)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=1)
+    summary = {k: v for k, v in result.items() if k not in ("samples", "traces")}
+    print(json.dumps(summary))
+    return 0 if result["tokens_match"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
