@@ -202,7 +202,8 @@ def test_register_is_idempotent_and_address_format(transport):
     transport.unregister(ptr)  # unknown now: ignored
 
 
-def test_write_is_byte_exact_and_leaves_guard_bytes(peer):
+@pytest.mark.parametrize("small_prepare", [16, 0], ids=["python-prepare", "numpy-prepare"])
+def test_write_is_byte_exact_and_leaves_guard_bytes(peer, small_prepare):
     src = _source(4 << 20, seed=1)
     peer.fill(GUARD)
     # (src offset, dst offset, length): unsorted, some adjacent on both sides (merged),
@@ -220,6 +221,7 @@ def test_write_is_byte_exact_and_leaves_guard_bytes(peer):
     base = src.ctypes.data
     t = _import_transports().MooncakeTransport(host="127.0.0.1", max_descriptor_bytes=256 << 10,
                                                max_batch_descriptors=2)
+    t._SMALL_PREPARE = small_prepare
     try:
         t.register(base, src.size)
         t.write(peer.address, [base + s for s, _, _ in descs],
@@ -231,6 +233,45 @@ def test_write_is_byte_exact_and_leaves_guard_bytes(peer):
     assert mismatch.size == 0, f"{mismatch.size} bytes differ, first at offset {mismatch[0]}"
     # and nothing beyond the checked window was touched
     assert peer.get(region, 4096) == bytes([GUARD]) * 4096
+
+
+def test_descriptor_preparation_paths_agree(transport):
+    """write() prepares few descriptors in plain Python and many with numpy: same result."""
+    TransportError = _import_transports().TransportError
+    buf = np.zeros(1 << 20, dtype=np.uint8)
+    base = buf.ctypes.data
+    transport.register(base, 300_000)            # two adjacent regions: merging must stop
+    transport.register(base + 300_000, 400_000)  # at the boundary between them
+    rng = np.random.default_rng(13)
+    transport.max_descriptor_bytes = 5000
+    for trial in range(200):
+        k = int(rng.integers(1, 12))
+        n = rng.integers(0, 9000, k)
+        s = rng.integers(0, 700_000 - 9000, k)
+        d = rng.integers(0, 1 << 30, k)
+        if trial % 3 == 0:  # first one ends exactly at the region boundary
+            s[0] = 300_000 - n[0]
+        for i in range(1, k):  # make about half of them adjacent to the previous one
+            if rng.random() < 0.5:
+                s[i] = s[i - 1] + n[i - 1]
+                d[i] = d[i - 1] + n[i - 1] if rng.random() < 0.8 else d[i]
+        args = ("peer:1", (base + s).tolist(), d.tolist(), n.tolist())
+        try:
+            small = transport._prepare_small(*args)
+        except TransportError as exc:
+            small = type(exc)
+        transport._SMALL_PREPARE = 0
+        try:
+            big = transport._prepare(*args)
+        except TransportError as exc:
+            big = type(exc)
+        finally:
+            del transport._SMALL_PREPARE
+        assert small == big, f"trial {trial}: {args}"
+        if not isinstance(small, type):  # every byte exactly once, pieces capped
+            assert sum(small[2]) == int(n.sum()) and max(small[2], default=0) <= 5000
+    with pytest.raises(TransportError, match="not inside a region"):
+        transport._prepare_small("peer:1", [base + 699_999], [0], [2])
 
 
 def test_4096_fragmented_16k_descriptors_arrive_intact(peer, transport):

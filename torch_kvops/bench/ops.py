@@ -39,8 +39,13 @@ def _scenario(name: str, layers: int, pool_blocks: int, rows: int, block_elems: 
     s_idx = mapping[:, 0].to(src_device)
     d_idx = mapping[:, 1].to(dst_device)
     nbytes = layers * rows * block_elems * 4
-    flat_src = torch.empty(layers * rows * block_elems, device=src_device, pin_memory=pin and src_device == "cpu")
-    flat_dst = torch.empty_like(flat_src, device=dst_device, pin_memory=pin and dst_device == "cpu")
+    # Filled, not torch.empty: untouched pages all map the kernel's zero page, which
+    # a copy reads from cache at a bandwidth no real KV cache has.
+    flat_src = torch.randn(layers * rows * block_elems).to(src_device)
+    flat_dst = torch.randn(layers * rows * block_elems).to(dst_device)
+    if pin:
+        flat_src = flat_src.pin_memory() if src_device == "cpu" else flat_src
+        flat_dst = flat_dst.pin_memory() if dst_device == "cpu" else flat_dst
     pairs = mapping.tolist()
 
     cases = {
