@@ -18,8 +18,9 @@
 // Events: one cudaEvent_t per layer (timing disabled). While the stream is captured the
 // record is an external record node (cudaEventRecordExternal), so the host can wait on
 // it after every replay, and push_layer is a host node (cudaLaunchHostFunc) whose C++
-// callback only appends to the pool's queue. A LayerEvents pool must outlive every
-// graph that captured its ops: destroying it destroys the events the graph records.
+// callback only appends to the pool's queue (a closed pool ignores it). Closing a pool
+// keeps its device events alive (core/layer_events.cpp) because a captured graph may
+// still record them on replay.
 //
 // This file holds host code only. Its body is skipped in nvcc's device passes
 // (__CUDA_ARCH__ defined), which would otherwise parse all of torch's headers again for

@@ -747,8 +747,11 @@ class MooncakeTransport(Transport):
 
         Destroying a Mooncake engine takes about 1 s (its handshake listener wakes once a
         second) and holds the GIL meanwhile, so other Python threads stall that long.
-        Transfers still running at the end are cancelled by the engine's destruction;
-        their source memory is not read after ``close()`` returns."""
+        Transfers still running at the end are cancelled by the engine's destruction, so
+        their source memory is not read after ``close()`` returns (unless a handshake
+        thread still blocked in Mooncake keeps the engine alive; that is logged). Bytes
+        already in the kernel's socket buffers (up to a few MiB per connection) can
+        still reach the peer's memory later, e.g. when a stopped peer resumes."""
         timeout = self.close_timeout_s if timeout_s is None else float(timeout_s)
         deadline = time.monotonic() + timeout
         with self._cond:
