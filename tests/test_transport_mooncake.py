@@ -507,6 +507,51 @@ def test_close_during_write_from_another_thread():
         p.kill()
 
 
+def test_register_and_unregister_while_another_thread_writes(peer, transport):
+    """The connector's split: a sender thread writes while the main thread registers
+    and unregisters other memory; unregistering memory that a write is reading waits
+    for that write."""
+    a = _source(1 << 20, seed=14)
+    others = [np.zeros(64 << 10, dtype=np.uint8) for _ in range(8)]
+    transport.register(a.ctypes.data, a.size)
+    peer.fill(GUARD)
+    stop, errors, writes = threading.Event(), [], [0]
+
+    def sender():
+        try:
+            while not stop.is_set():
+                transport.write(peer.address, [a.ctypes.data + i * 4096 for i in range(0, 256, 2)],
+                                [peer.base + i * 4096 for i in range(0, 256, 2)], [4096] * 128,
+                                timeout_s=10)
+                writes[0] += 1
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    th = threading.Thread(target=sender)
+    th.start()
+    try:
+        t_end = time.monotonic() + 1.5
+        while time.monotonic() < t_end:
+            for buf in others:
+                transport.register(buf.ctypes.data, buf.size)
+            for buf in others:
+                transport.unregister(buf.ctypes.data)
+        while writes[0] < 3 and th.is_alive() and time.monotonic() < t_end + 5:
+            time.sleep(0.01)
+        transport.unregister(a.ctypes.data, timeout_s=10)  # waits for the write in flight
+        th.join(10)
+    finally:
+        stop.set()
+        th.join(10)
+    assert not th.is_alive()
+    # the sender ends with "not inside a region registered" once `a` is unregistered
+    assert len(errors) == 1 and "not inside a region registered" in str(errors[0]), errors
+    assert writes[0] >= 3
+    got = np.frombuffer(peer.get(0, 256 * 4096), dtype=np.uint8).reshape(256, 4096)
+    assert (got[0::2] == a[:256 * 4096].reshape(256, 4096)[0::2]).all()
+    assert (got[1::2] == GUARD).all()
+
+
 def test_close_does_not_leak_threads(peer):
     """close() destroys the engine and its threads at once, also when the caller still
     holds an exception (and so a traceback) from a failed write()."""

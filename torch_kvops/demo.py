@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -27,6 +26,8 @@ from typing import Dict, List
 os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog INFO lines drown the table
 
 import torch  # noqa: E402
+
+from .testing.worker import WorkerProcess  # noqa: E402
 
 
 def _progress(msg: str) -> None:
@@ -39,6 +40,8 @@ def decode_main(pipe, cfg_kwargs: dict, num_blocks: int, threads: int) -> None:
     from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport
     from torch_kvops.testing.paged_llama import (BlockAllocator, LlamaConfig, PagedLlama,
                                                  blocks_needed, decode_from_cache)
+    from torch_kvops.testing.worker import serve
+
     try:
         torch.set_num_threads(threads)
         model = PagedLlama(LlamaConfig(**cfg_kwargs)).eval()
@@ -47,79 +50,44 @@ def decode_main(pipe, cfg_kwargs: dict, num_blocks: int, threads: int) -> None:
         transport = MooncakeTransport(host="127.0.0.1")
         conn = LayerwiseConnector("consumer", transport, ConnectorConfig())
         conn.register_kv_caches(caches)
-        tables: Dict[str, List[int]] = {}
-        pipe.send(("ok", conn.peer_info()))
-        while True:
-            cmd, arg = pipe.recv()
-            if cmd == "alloc":  # [(req_id, prompt_len)] -> {req_id: block table}
-                for req_id, n in arg:
-                    tables[req_id] = allocator.allocate(blocks_needed(n, model.cfg.block_size))
-                    conn.expect(req_id)
-                pipe.send(("ok", {r: list(tables[r]) for r, _ in arg}))
-            elif cmd == "wait":  # request ids -> wall-clock time each one landed
-                pending, landed, failed = set(arg), {}, set()
-                deadline = time.monotonic() + 120
-                while pending and time.monotonic() < deadline:
-                    done, bad = conn.get_finished()
-                    now = time.time()
-                    for r in done & pending:
-                        landed[r] = now
-                    failed |= bad & pending
-                    pending -= done | bad
-                    time.sleep(0.0002)
-                pipe.send(("ok", (landed, sorted(failed | pending))))
-            elif cmd == "decode":  # ([(req_id, prompt_len, first_token)], max_new)
-                reqs, max_new = arg
-                tokens = decode_from_cache(model, [[0] * n for _, n, _ in reqs], [t for _, _, t in reqs],
-                                           [tables[r] for r, _, _ in reqs], caches, max_new, allocator)
-                pipe.send(("ok", tokens))
-            elif cmd == "free":
-                for r in arg:
-                    allocator.free(tables.pop(r))
-                pipe.send(("ok", None))
-            elif cmd == "close":
-                conn.close()
-                transport.close()
-                pipe.send(("ok", None))
-                return
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
         raise
+    tables: Dict[str, List[int]] = {}
+    pipe.send(("ok", conn.peer_info()))
 
+    def alloc(requests):  # [(req_id, prompt_len)] -> {req_id: block table}
+        for req_id, n in requests:
+            tables[req_id] = allocator.allocate(blocks_needed(n, model.cfg.block_size))
+            conn.expect(req_id)
+        return {r: list(tables[r]) for r, _ in requests}
 
-class DecodeProcess:
-    def __init__(self, cfg_kwargs: dict, num_blocks: int, threads: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.pipe, child = ctx.Pipe()
-        self.proc = ctx.Process(target=decode_main, args=(child, cfg_kwargs, num_blocks, threads),
-                                daemon=True)
-        self.proc.start()
-        self.info = self.reply(120)
+    def wait(req_ids):  # -> ({req_id: wall-clock time it landed}, failed ids)
+        pending, landed, failed = set(req_ids), {}, set()
+        deadline = time.monotonic() + 120
+        while pending and time.monotonic() < deadline:
+            done, bad = conn.get_finished()
+            now = time.time()
+            for r in done & pending:
+                landed[r] = now
+            failed |= bad & pending
+            pending -= done | bad
+            time.sleep(0.0005)
+        return landed, sorted(failed | pending)
 
-    def send(self, cmd: str, arg=None) -> None:
-        self.pipe.send((cmd, arg))
+    def decode(requests, max_new):  # [(req_id, prompt_len, first_token)] -> tokens
+        return decode_from_cache(model, [[0] * n for _, n, _ in requests], [t for _, _, t in requests],
+                                 [tables[r] for r, _, _ in requests], caches, max_new, allocator)
 
-    def reply(self, timeout: float = 300):
-        if not self.pipe.poll(timeout):
-            raise TimeoutError("decode process did not answer")
-        status, value = self.pipe.recv()
-        if status != "ok":
-            raise RuntimeError(f"decode process failed:\n{value}")
-        return value
+    def free(req_ids):
+        for r in req_ids:
+            allocator.free(tables.pop(r))
 
-    def call(self, cmd: str, arg=None, timeout: float = 300):
-        self.send(cmd, arg)
-        return self.reply(timeout)
+    def close():
+        conn.close()
+        transport.close()
 
-    def close(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.call("close", timeout=30)
-        finally:
-            self.proc.join(10)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(10)
+    serve(pipe, {"alloc": alloc, "wait": wait, "decode": decode, "free": free}, close)
 
 
 # ---------------------------------------------------------------------- prefill side
@@ -127,7 +95,7 @@ class DecodeProcess:
 class PrefillSide:
     """The producer: model, caches, connector, and the timed scenarios."""
 
-    def __init__(self, args, decode: DecodeProcess, cfg, prompts) -> None:
+    def __init__(self, args, decode, cfg, prompts) -> None:
         from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport
         from torch_kvops.testing.paged_llama import BlockAllocator, PagedLlama
 
@@ -138,7 +106,7 @@ class PrefillSide:
         self.transport = MooncakeTransport(host="127.0.0.1")
         self.conn = LayerwiseConnector("producer", self.transport, ConnectorConfig())
         self.conn.register_kv_caches(self.caches)
-        self.peer = self.conn.add_peer(decode.info)
+        self.peer = self.conn.add_peer(decode.hello)
         self.forwards = {"eager": self.model}
         if args.compile:
             self.forwards["compiled"] = torch.compile(self.model, fullgraph=True)
@@ -186,19 +154,27 @@ class PrefillSide:
             self.allocator.free(table)
         return elapsed
 
+    def _push_all_layers(self) -> None:
+        for layer, cache in enumerate(self.caches):
+            self.conn.save_kv_layer(layer, cache)
+
+    def _kv_ready(self, t0: float) -> float:
+        """Seconds from ``t0`` until the decode side had every request of the step."""
+        self.conn.wait_for_save(timeout=120)
+        landed, failed = self.decode.reply(300)
+        if failed:
+            raise RuntimeError(f"requests failed: {failed}")
+        return max(landed.values()) - t0
+
     def transfer_only(self) -> float:
         ids, src, requests = self._tables()
         self.conn.start_step(requests)
         self.decode.send("wait", ids)
         t0 = time.time()
-        for layer, cache in enumerate(self.caches):
-            self.conn.save_kv_layer(layer, cache)
-        self.conn.wait_for_save(timeout=120)
-        landed, failed = self.decode.reply()
-        if failed:
-            raise RuntimeError(f"transfer failed for {failed}")
+        self._push_all_layers()
+        ready = self._kv_ready(t0)
         self._release(ids, src)
-        return max(landed.values()) - t0
+        return ready
 
     def disaggregated(self, flavor: str, layerwise: bool, verify: List[List[int]] = None):
         """Returns (kv_ready_s, forward_s, tokens or None, trace)."""
@@ -214,19 +190,14 @@ class PrefillSide:
                         forward=self.forwards[flavor])
         forward_s = time.time() - t0
         if not layerwise:
-            for layer, cache in enumerate(self.caches):
-                self.conn.save_kv_layer(layer, cache)
-        self.conn.wait_for_save(timeout=120)
-        landed, failed = self.decode.reply()
-        if failed:
-            raise RuntimeError(f"requests failed: {failed}")
-        kv_ready = max(landed.values()) - t0
+            self._push_all_layers()
+        kv_ready = self._kv_ready(t0)
         trace = [{k: (v - p0 if k != "layer" else v) for k, v in row.items()}
                  for row in self.conn.last_step_trace()]
         tokens = None
         if verify is not None:
-            tokens = self.decode.call("decode", ([(r, len(p), t) for r, p, t in
-                                                  zip(ids, self.prompts, first)], self.args.new_tokens))
+            requests = [(r, len(p), t) for r, p, t in zip(ids, self.prompts, first)]
+            tokens = self.decode.call("decode", requests, self.args.new_tokens)
         self.model.kv_hook = None
         self._release(ids, src)
         return kv_ready, forward_s, tokens, trace
@@ -267,7 +238,8 @@ def run(args) -> dict:
               f"{args.prompts} prompt(s) x {args.prompt_len} tokens; KV to move ~{kv_mib:.0f} MiB; "
               f"torch threads {args.threads}")
     _progress("starting the decode process")
-    decode = DecodeProcess(cfg_kwargs, args.num_blocks, args.threads)
+    decode = WorkerProcess(decode_main, (cfg_kwargs, args.num_blocks, args.threads), "decode",
+                           timeout=300)
     side = PrefillSide(args, decode, cfg, prompts)
     flavors = list(side.forwards)
     try:
@@ -301,7 +273,7 @@ def run(args) -> dict:
         stats = side.conn.stats()
     finally:
         side.close()
-        decode.close()
+        decode.stop()
 
     result = {"tokens_match": bool(tokens_match),
               "tokens_compiled_equal_eager": refs.get("compiled") == refs["eager"] if "compiled" in refs else None}

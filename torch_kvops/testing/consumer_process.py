@@ -6,12 +6,13 @@ engine over loopback TCP.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 import traceback
 
+from .worker import WorkerProcess, serve
 
-def consumer_main(conn, num_layers, num_blocks, block_shape, config_kwargs, transport_kwargs):
+
+def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, transport_kwargs):
     import torch
 
     from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport
@@ -21,76 +22,40 @@ def consumer_main(conn, num_layers, num_blocks, block_shape, config_kwargs, tran
         transport = MooncakeTransport(host="127.0.0.1", **transport_kwargs)
         connector = LayerwiseConnector("consumer", transport, ConnectorConfig(**config_kwargs))
         connector.register_kv_caches(caches)
-        conn.send(("ok", connector.peer_info()))
-        while True:
-            cmd, *args = conn.recv()
-            if cmd == "expect":
-                for req_id in args[0]:
-                    connector.expect(req_id)
-                conn.send(("ok", None))
-            elif cmd == "wait":
-                wanted, timeout = set(args[0]), args[1]
-                finished, failed, times = set(), set(), {}
-                deadline = time.monotonic() + timeout
-                while not wanted <= (finished | failed) and time.monotonic() < deadline:
-                    f, x = connector.get_finished()
-                    for r in f | x:
-                        times[r] = time.time()
-                    finished |= f
-                    failed |= x
-                    time.sleep(0.002)
-                conn.send(("ok", (finished, failed, times)))
-            elif cmd == "caches":
-                conn.send(("ok", [c.numpy().copy() for c in caches]))
-            elif cmd == "stats":
-                conn.send(("ok", connector.stats()))
-            elif cmd == "close":
-                connector.close()
-                transport.close()
-                conn.send(("ok", None))
-                return
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        pipe.send(("error", traceback.format_exc()))
         raise
+    pipe.send(("ok", connector.peer_info()))
+
+    def expect(req_ids):
+        for req_id in req_ids:
+            connector.expect(req_id)
+
+    def wait(req_ids, timeout):
+        wanted, finished, failed, times = set(req_ids), set(), set(), {}
+        deadline = time.monotonic() + timeout
+        while not wanted <= (finished | failed) and time.monotonic() < deadline:
+            done, bad = connector.get_finished()
+            for r in done | bad:
+                times[r] = time.time()
+            finished |= done
+            failed |= bad
+            time.sleep(0.002)
+        return finished, failed, times
+
+    def close():
+        connector.close()
+        transport.close()
+
+    serve(pipe, {"expect": expect, "wait": wait, "stats": connector.stats,
+                 "caches": lambda: [c.numpy().copy() for c in caches]}, close)
 
 
-class ConsumerProcess:
-    """Handle on a consumer process; every call has a timeout."""
+class ConsumerProcess(WorkerProcess):
+    """Handle on a consumer process; ``info`` is its ``peer_info()``."""
 
     def __init__(self, num_layers, num_blocks, block_shape, timeout=60.0, transport_kwargs=None,
                  **config_kwargs):
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.timeout = timeout
-        self.proc = ctx.Process(target=consumer_main,
-                                args=(child, num_layers, num_blocks, block_shape, config_kwargs,
-                                      transport_kwargs or {}),
-                                daemon=True)
-        self.proc.start()
-        self.info = self._reply()
-
-    def _reply(self, timeout=None):
-        if not self._conn.poll(timeout or self.timeout):
-            raise TimeoutError("consumer process did not answer")
-        status, value = self._conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"consumer process failed:\n{value}")
-        return value
-
-    def call(self, *cmd, timeout=None):
-        self._conn.send(cmd)
-        return self._reply(timeout)
-
-    def kill(self):
-        self.proc.kill()
-        self.proc.join(10)
-
-    def stop(self):
-        if self.proc.is_alive():
-            try:
-                self.call("close", timeout=20)
-            finally:
-                self.proc.join(10)
-                if self.proc.is_alive():
-                    self.proc.kill()
-                    self.proc.join(10)
+        super().__init__(consumer_main, (num_layers, num_blocks, block_shape, config_kwargs,
+                                         transport_kwargs or {}), "consumer", timeout)
+        self.info = self.hello
