@@ -281,3 +281,36 @@ def test_compiled_model_forward_pushes_the_same_bytes_as_eager(consumer, produce
         assert np.array_equal(received[layer][8:12], caches[layer][8:12].numpy())
         assert np.array_equal(received[layer][0:4], eager_cache[layer][0:4].numpy())
         np.testing.assert_allclose(received[layer][8:12], received[layer][0:4], rtol=1e-5, atol=1e-5)
+
+
+class AttentionStub(torch.nn.Module):
+    """An attention module that writes its layer's KV in place; the model code does
+    not call the connector: ``attach`` hooks it."""
+
+    def __init__(self, cache, seed):
+        super().__init__()
+        self.cache, self.seed = cache, seed
+
+    def forward(self, slots):
+        gen = torch.Generator().manual_seed(self.seed)
+        self.cache.index_copy_(0, slots, torch.randn(len(slots), *BLOCK_SHAPE, generator=gen))
+        return slots
+
+
+def test_attach_installs_forward_hooks(consumer, producer):
+    conn, caches = producer
+    peer = conn.add_peer(consumer.info)
+    layers = torch.nn.ModuleList(AttentionStub(c, seed=i) for i, c in enumerate(caches))
+    handles = conn.attach(layers, list(layers))
+    assert len(handles) == LAYERS
+    conn.start_step([TransferRequest("hooked", peer, [3, 4], [30, 31])])
+    slots = torch.tensor([3, 4])
+    for layer in layers:
+        layer(slots)
+    conn.wait_for_save(timeout=30)
+    finished, _, _ = consumer.call("wait", ["hooked"], 10.0)
+    assert finished == {"hooked"}
+    received = consumer.call("caches")
+    assert_landed(received, caches, [(3, 30), (4, 31)])
+    with pytest.raises(ValueError, match="layers given"):
+        conn.attach(layers, list(layers)[:2])

@@ -312,22 +312,27 @@ class MooncakeTransport(Transport):
         with self._cond:
             if self._engine is None or ptr not in self._regions:
                 return
+            # Take the region out of the index first, so that new writes cannot use it
+            # (and keep pinning it) while we wait for the ones in flight.
+            length = self._regions.pop(ptr)
+            self._rebuild_region_index_locked()
             while True:
+                if self._engine is None:
+                    return  # close() ran meanwhile: the engine and its registrations are gone
                 self._reap_orphans_locked()
                 users = self._pins.get(ptr, 0)
                 if users == 0:
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    self._regions[ptr] = length  # still registered: put it back
+                    self._rebuild_region_index_locked()
                     raise TransportError(f"region {ptr:#x} is still read by {users} in-flight "
                                          "transfer(s) (a timed-out write may still be moving "
                                          "bytes); keep the memory alive and unregister later",
                                          transient=True)
                 self._cond.wait(min(remaining, 0.01))
-            # From here on no write() can use the region (the index no longer has it).
-            del self._regions[ptr]
             self._pins.pop(ptr, None)
-            self._rebuild_region_index_locked()
             engine = self._engine
         rc = engine.batch_unregister_memory([ptr])
         if rc != 0:
