@@ -91,7 +91,9 @@ def test_requests_and_chunked_prefill_land_byte_exact(consumer, producer):
 def test_thousands_of_fragmented_blocks_arrive_intact(staging):
     layers, blocks, shape = 2, 8192, (64,)  # 256-byte blocks, 3000 fragmented per layer
     # Small slots so that a layer spans several slots and slots are reused (acks).
-    config = dict(FAST, staging_slot_bytes=64 << 10, staging_slots=3,
+    # A generous write timeout: thousands of tiny direct descriptors are slow on a
+    # loaded 2-core machine, and this test is about integrity, not speed.
+    config = dict(FAST, transfer_timeout_s=30.0, staging_slot_bytes=64 << 10, staging_slots=3,
                   staging_threshold_bytes=(256 << 10) if staging else 0)
     consumer = ConsumerProcess(layers, blocks, shape, **config)
     transport = MooncakeTransport(host="127.0.0.1")
@@ -314,3 +316,44 @@ def test_attach_installs_forward_hooks(consumer, producer):
     assert_landed(received, caches, [(3, 30), (4, 31)])
     with pytest.raises(ValueError, match="layers given"):
         conn.attach(layers, list(layers)[:2])
+
+
+def test_consumer_refuses_a_request_it_already_gave_up_on(producer):
+    conn, caches = producer
+    proc = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **dict(FAST, lease_s=0.3))
+    try:
+        peer = conn.add_peer(proc.info)
+        proc.call("expect", ["late"])
+        _, failed, _ = proc.call("wait", ["late"], 5.0)
+        assert failed == {"late"}  # the decode engine recomputes and reuses the blocks
+        conn.start_step([TransferRequest("late", peer, [1, 2], [5, 6])])
+        forward(conn, caches, [1, 2], seed=7)
+        conn.wait_for_save(timeout=30)
+        _, producer_failed = conn.get_finished()
+        assert producer_failed == {"late"}
+        assert conn.stats()["bytes_sent"] == 0, "nothing may be written into reused blocks"
+        finished, _, _ = proc.call("wait", ["late"], 0.5)
+        assert not finished, "a request is reported once"
+        received = proc.call("caches")
+        assert all((received[layer] == -7.0).all() for layer in range(LAYERS))
+    finally:
+        proc.stop()
+
+
+def test_a_bad_control_message_drops_only_its_connection(consumer, producer):
+    import json
+    import socket
+
+    host, port = consumer.info["control_address"].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as rogue:
+        rogue.sendall(json.dumps({"op": "scatter", "layer": 99, "slot": 0, "dst": [1]}).encode() + b"\n")
+        rogue.settimeout(5)
+        assert rogue.recv(100) == b"", "the consumer must close the offending connection"
+    conn, caches = producer
+    peer = conn.add_peer(consumer.info)
+    assert conn.add_peer(consumer.info) == peer  # the same peer again: same id, no new resources
+    conn.start_step([TransferRequest("after", peer, [0], [0])])
+    forward(conn, caches, [0], seed=8)
+    conn.wait_for_save(timeout=30)
+    finished, _, _ = consumer.call("wait", ["after"], 10.0)
+    assert finished == {"after"}

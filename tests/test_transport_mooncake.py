@@ -154,6 +154,25 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _sigstop(pid, timeout=10.0):
+    """SIGSTOP ``pid`` and wait until every one of its threads has actually stopped (on
+    a loaded machine a thread can still answer a handshake shortly after os.kill)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass
+        if states and all(s in "tT" for s in states):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} did not stop within {timeout}s")
+
+
 def _thread_count():
     return len(os.listdir("/proc/self/task"))
 
@@ -178,6 +197,8 @@ def test_init_rejects_foreign_host_and_unknown_protocol():
     assert ei.value.transient is False
     with pytest.raises(transports.TransportError, match="unsupported protocol"):
         transports.MooncakeTransport(protocol="carrier-pigeon")
+    with pytest.raises(ValueError, match="max_batch_descriptors"):
+        transports.MooncakeTransport(max_batch_descriptors=4096)
     has_rdma = os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband")
     if not has_rdma:  # Mooncake would silently use TCP: the transport must refuse instead
         transports.MooncakeTransport(host="127.0.0.1").close()  # first engine: process-wide threads
@@ -274,7 +295,13 @@ def test_descriptor_preparation_paths_agree(transport):
         transport._prepare_small("peer:1", [base + 699_999], [0], [2])
 
 
-def test_4096_fragmented_16k_descriptors_arrive_intact(peer, transport):
+@pytest.mark.parametrize("window", [None, 1024])
+def test_4096_fragmented_16k_descriptors_arrive_intact(peer, transport, window):
+    """Mooncake's TCP transport fails (queue-full) when more than ~2048 transfers to one
+    peer are outstanding: 4096 unmergeable descriptors only arrive if write() bounds what
+    it has in flight (default window, and the largest allowed one)."""
+    if window is not None:
+        transport.max_batch_descriptors = window
     n, piece = 4096, 16 << 10
     src = _source(2 * n * piece, seed=2)
     base = src.ctypes.data
@@ -372,7 +399,7 @@ def test_peer_killed_during_stalled_write_fails_fast(transport):
     errors = []
     try:
         transport.write(p.address, [src.ctypes.data], [p.base], [4096], timeout_s=10)
-        os.kill(p.pid, signal.SIGSTOP)
+        _sigstop(p.pid)
 
         def writer():
             try:
@@ -426,7 +453,7 @@ def test_stalled_write_times_out_and_pins_its_memory(transport):
     try:
         transport.register(src.ctypes.data, src.size)
         transport.write(p.address, [src.ctypes.data], [p.base], [4096], timeout_s=10)
-        os.kill(p.pid, signal.SIGSTOP)
+        _sigstop(p.pid)
         bound = 1.5
         t0 = time.monotonic()
         with pytest.raises(TransportError, match="timed out") as ei:
@@ -453,7 +480,7 @@ def test_handshake_with_hung_peer_is_bounded_and_close_is_safe():
     t = transports.MooncakeTransport(host="127.0.0.1")
     try:
         t.register(src.ctypes.data, src.size)
-        os.kill(p.pid, signal.SIGSTOP)
+        _sigstop(p.pid)
         for bound in (1.0, 0.5):  # the second write joins the handshake still in progress
             t0 = time.monotonic()
             with pytest.raises(transports.TransportError, match="handshake") as ei:
@@ -463,8 +490,8 @@ def test_handshake_with_hung_peer_is_bounded_and_close_is_safe():
         handshakes = [th for th in threading.enumerate() if th.name.startswith("kvops-mooncake-handshake")]
         assert len(handshakes) == 1
         t0 = time.monotonic()
-        t.close(timeout_s=0.5)
-        assert time.monotonic() - t0 < 1.5
+        t.close(timeout_s=0.5)  # the blocked handshake thread keeps the engine alive
+        assert time.monotonic() - t0 < 2.0
         with pytest.raises(transports.TransportError, match="closed"):
             t.write(p.address, [src.ctypes.data], [p.base], [4096], timeout_s=1)
         p.kill()  # the blocked handshake now sees the connection close and returns
@@ -484,7 +511,7 @@ def test_close_during_write_from_another_thread():
     try:
         t.register(src.ctypes.data, src.size)
         t.write(p.address, [src.ctypes.data], [p.base], [4096], timeout_s=10)
-        os.kill(p.pid, signal.SIGSTOP)
+        _sigstop(p.pid)
 
         def writer():
             try:
@@ -496,8 +523,8 @@ def test_close_during_write_from_another_thread():
         th.start()
         time.sleep(0.3)
         t0 = time.monotonic()
-        t.close(timeout_s=1.0)
-        assert time.monotonic() - t0 < 2.0
+        t.close(timeout_s=1.0)  # + ~0.8 s to destroy the engine (see close())
+        assert time.monotonic() - t0 < 3.0
         th.join(5)
         assert not th.is_alive()
         assert len(errors) == 1 and "closed" in str(errors[0]) and errors[0].transient is False
@@ -530,7 +557,7 @@ def test_register_and_unregister_while_another_thread_writes(peer, transport):
     th = threading.Thread(target=sender)
     th.start()
     try:
-        t_end = time.monotonic() + 1.5
+        t_end = time.monotonic() + 1.0
         while time.monotonic() < t_end:
             for buf in others:
                 transport.register(buf.ctypes.data, buf.size)
@@ -574,6 +601,6 @@ def test_close_does_not_leak_threads(peer):
     cycle(False)  # the first engine in a process leaves a few process-wide threads behind
     time.sleep(0.2)
     baseline = _thread_count()
-    for fail in (False, True, True):
+    for fail in (True, False):
         cycle(fail)
         assert _thread_count() <= baseline, f"{_thread_count()} threads, {baseline} before"

@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from . import ops
-from .control import ControlClient, ControlServer
+from .control import ControlClient, ControlServer, Session
 from .events import LayerEvents
 from .plan import KVLayout, StepPlan, TransferRequest, layer_descriptors, validate_step
 from .staging import ConsumerStaging, ProducerStaging, StagingGrant, uniform_block
@@ -72,6 +73,7 @@ class _Step:
     plan: StepPlan
     done: threading.Event = field(default_factory=threading.Event)
     failed_peers: Dict[str, str] = field(default_factory=dict)
+    retried_peers: Set[str] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -139,7 +141,8 @@ class LayerwiseConnector:
         self._registered: List[int] = []
         self._finished: Set[str] = set()
         self._failed: Set[str] = set()
-        self._delayed_failures: List[Tuple[float, str]] = []
+        self._delayed: List[Tuple[float, str, bool]] = []  # (due, req_id, ok): quarantined
+        self._reported: "OrderedDict[str, None]" = OrderedDict()  # ids already reported
         self._closed = False
         self._hooks: list = []
         # producer
@@ -186,7 +189,8 @@ class LayerwiseConnector:
                 self._consumer_staging = ConsumerStaging(self._caches, self.transport,
                                                          self.config.staging_slot_bytes,
                                                          self.config.staging_slots)
-            self._server = ControlServer(self._control_host, self._on_control, self._expire_leases,
+            self._server = ControlServer(self._control_host, self._on_control, self._on_producer_gone,
+                                         self._expire_leases,
                                          send_timeout_s=self.config.control_timeout_s)
         log.info("%s %s registered %d KV layers", self.role, self.engine_id, len(self._caches))
 
@@ -208,11 +212,26 @@ class LayerwiseConnector:
                              f"{self.transport.name!r}")
         layout = KVLayout.from_json(info["layout"])
         self._layout.check_compatible(layout)
+        with self._lock:
+            known = self._peers.get(info["engine_id"])
+        if known is not None and not known.dead:
+            if known.data_address != info["data_address"] or known.layout != layout:
+                raise ValueError(f"peer {known.peer_id!r} is already known with another address "
+                                 "or layout")
+            return known.peer_id  # the same peer again (e.g. per-request peer_info)
+        if known is not None:
+            if any(p == known.peer_id for p in self._in_flight.values()):
+                raise RuntimeError(f"peer {known.peer_id!r} still has requests in flight")
+            self._release_peer(known)
         control = ControlClient(info["control_address"], timeout_s=self.config.control_timeout_s,
                                 retries=self.config.max_retries,
                                 backoff_s=self.config.retry_backoff_s)
         control.connect()
-        welcome = control.request({"op": "hello", "producer": self.engine_id})
+        control.send({"op": "hello", "producer": self.engine_id})
+        welcome = control.receive(self.config.control_timeout_s)
+        if welcome is None or welcome.get("op") != "welcome":
+            control.close()
+            raise ConnectionError(f"peer at {info['control_address']} did not answer hello")
         peer = _Peer(info["engine_id"], layout, info["data_address"], control)
         grant = welcome.get("staging")
         if grant and self.config.staging_threshold_bytes > 0 and uniform_block(self._caches) is not None \
@@ -272,8 +291,13 @@ class LayerwiseConnector:
         step = self._current
         if step is None:
             return
-        if not step.done.wait(timeout):
-            raise TimeoutError(f"step not finished sending after {timeout} s")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not step.done.wait(0.1):
+            self._raise_sender_error()
+            if not self._sender.is_alive():
+                raise RuntimeError("the sender thread is not running (connector closed?)")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"step not finished sending after {timeout} s")
         self._raise_sender_error()
 
     # ------------------------------------------------------------------ sender thread
@@ -295,23 +319,39 @@ class LayerwiseConnector:
             log.exception("sender thread failed")
             self._sender_error = exc
             self._fail_all_in_flight(f"sender thread failed: {exc}")
+        finally:
+            while True:  # nobody will run these: release their waiters
+                try:
+                    left = self._steps.get_nowait()
+                except queue.Empty:
+                    break
+                if left is not None:
+                    left.done.set()
 
     def _run_step(self, step: _Step) -> None:
         self._stats.add(steps=1)
         trace: List[dict] = []
-        for peer_id, entries in step.plan.by_peer.items():
+        for peer_id, entries in list(step.plan.by_peer.items()):
             peer = self._peers[peer_id]
             if peer.dead:
                 step.failed_peers[peer_id] = peer.dead
                 continue
-            for req, _, _ in entries:
-                if not self._control_send(peer, {"op": "begin", "req": req.req_id}):
-                    step.failed_peers[peer_id] = peer.dead
-                    break
+            rejected = self._begin(peer, [req.req_id for req, _, _ in entries])
+            if rejected is None:
+                step.failed_peers[peer_id] = peer.dead
+                continue
+            if rejected:  # the consumer gave up on them already: write nothing
+                log.warning("peer %s no longer accepts %s", peer_id, sorted(rejected))
+                for req_id in rejected:
+                    self._report(req_id, ok=False)
+                step.plan.by_peer[peer_id] = [e for e in entries if e[0].req_id not in rejected]
         by_layer = self._step_descriptors(step)
         remaining = set(range(len(self._caches)))
         deadline = step.started + self.config.step_timeout_s
         while remaining:
+            if self._stop.is_set():
+                self._fail_step(step, "connector closed during the step")
+                return
             layer = self._events.next_ready(timeout=0.05)
             if layer is None:
                 if self._stop.is_set():
@@ -346,7 +386,7 @@ class LayerwiseConnector:
         one merged batch per peer."""
         merged = {peer_id: (np.concatenate([s for _, s, _ in entries]),
                             np.concatenate([d for _, _, d in entries]))
-                  for peer_id, entries in step.plan.by_peer.items()}
+                  for peer_id, entries in step.plan.by_peer.items() if entries}
 
         def for_layer(layer: int):
             for peer_id, (src_blocks, dst_blocks) in merged.items():
@@ -358,6 +398,8 @@ class LayerwiseConnector:
 
     def _write_layer(self, step: _Step, peer_id: str, layer: int, blocks, src, dst, lengths) -> None:
         peer = self._peers[peer_id]
+        if self._stop.is_set():
+            return
         if peer.control.peer_closed():
             self._give_up_peer(step, peer, "peer closed its control channel (process gone?)")
             return
@@ -386,20 +428,36 @@ class LayerwiseConnector:
                 step.failed_peers[peer.peer_id] = peer.dead
                 return
 
+    def _begin(self, peer: _Peer, req_ids: List[str]) -> Optional[set]:
+        """Announce the step's requests; the consumer answers with those it no longer
+        accepts (already reported failed, e.g. its lease expired). None: peer failed."""
+        if not self._control_send(peer, {"op": "begin", "reqs": req_ids}):
+            return None
+        answer = self._receive_until(peer, lambda m: m.get("op") == "begun")
+        return None if answer is None else set(answer.get("rejected", []))
+
     def _await_ack(self, peer: _Peer, slot: int) -> bool:
+        return self._receive_until(peer, lambda m: not peer.staging.busy[slot]) is not None
+
+    def _receive_until(self, peer: _Peer, done) -> Optional[dict]:
+        """Read the peer's messages (staging acks are handled on the way) until
+        ``done(message)``; None on timeout, close, or a broken channel."""
         deadline = time.monotonic() + self.config.transfer_timeout_s
-        while peer.staging.busy[slot]:
+        while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self._stop.is_set():
-                return False
+                return None
             try:
                 message = peer.control.receive(min(remaining, 0.1))
             except ConnectionError as exc:
                 peer.dead = f"control channel failed: {exc}"
-                return False
-            if message and message.get("op") == "ack":
+                return None
+            if message is None:
+                continue
+            if message.get("op") == "ack" and peer.staging is not None:
                 peer.staging.busy[int(message["slot"])] = False
-        return True
+            if done(message):
+                return message
 
     def _write_with_retries(self, step: _Step, peer: _Peer, layer: int, src, dst, lengths) -> bool:
         attempt = 0
@@ -414,6 +472,7 @@ class LayerwiseConnector:
                     self._give_up_peer(step, peer, f"layer {layer} write failed: {exc}")
                     return False
                 attempt += 1
+                step.retried_peers.add(peer.peer_id)
                 self._stats.add(retries=1)
                 log.warning("retrying layer %d to %s (attempt %d): %s", layer, peer.peer_id, attempt, exc)
                 time.sleep(self.config.retry_backoff_s * (2 ** (attempt - 1)))
@@ -440,7 +499,9 @@ class LayerwiseConnector:
                     if self._control_send(peer, {"op": "chunk", "req": req.req_id,
                                                  "last": req.last_chunk, "bytes": nbytes}):
                         if req.last_chunk:
-                            self._report(req.req_id, ok=True)
+                            # a retried write's first attempt may still land late
+                            delay = self.config.quarantine_s if peer_id in step.retried_peers else 0.0
+                            self._report(req.req_id, ok=True, delay=delay)
                         continue
                     step.failed_peers[peer_id] = peer.dead
                 reason = step.failed_peers[peer_id]
@@ -470,43 +531,68 @@ class LayerwiseConnector:
         reported failed if its producer never delivers (even if it never started)."""
         self._require("consumer", registered=True)
         with self._lock:
-            if req_id not in self._incoming and req_id not in self._finished | self._failed:
+            if req_id not in self._incoming and req_id not in self._reported:
                 self._incoming[req_id] = _Incoming(time.monotonic() + (lease_s or self.config.lease_s))
 
-    def _on_control(self, message: dict, reply) -> None:
-        op, req_id = message.get("op"), message.get("req")
-        now = time.monotonic()
+    def _on_control(self, message: dict, session: Session) -> None:
+        """Control-server thread. A handler that raises drops only this producer's
+        connection (ControlServer), after which the producer fails its requests."""
+        op = message.get("op")
         if op == "hello":
-            producer = str(message.get("producer"))
-            log.info("producer %s connected", producer)
-            grant = self._consumer_staging.grant(producer) if self._consumer_staging else None
-            reply({"op": "welcome", "staging": grant.to_json() if grant else None})
-            return
-        if op == "scatter":
-            self._consumer_staging.scatter(str(message["producer"]), int(message["layer"]),
+            session.producer = str(message["producer"])
+            log.info("producer %s connected", session.producer)
+            staging = self._consumer_staging
+            grant = staging.grant(session.producer) if staging else None
+            session.reply({"op": "welcome", "staging": grant.to_json() if grant else None})
+        elif op == "begin":
+            session.reply({"op": "begun", "rejected": self._begin_requests(message["reqs"])})
+        elif op == "scatter":
+            if self._consumer_staging is None or session.producer is None:
+                raise ValueError("scatter without a staging grant")
+            self._consumer_staging.scatter(session.producer, int(message["layer"]),
                                            int(message["slot"]), message["dst"])
-            reply({"op": "ack", "slot": message["slot"]})
-            return
+            session.reply({"op": "ack", "slot": int(message["slot"])})
+        elif op in ("chunk", "failed"):
+            self._request_notice(op, str(message["req"]), message)
+        else:
+            raise ValueError(f"unknown control message {op!r}")
+
+    def _begin_requests(self, req_ids: List[str]) -> List[str]:
+        """Start or renew the leases of a step's requests; return those already
+        reported (their blocks may be reused: the producer must not write them)."""
+        deadline = time.monotonic() + self.config.lease_s
+        rejected = []
         with self._lock:
-            if req_id is None or op not in ("begin", "chunk", "failed"):
-                log.warning("unknown control message %r", message)
-                return
+            for req_id in map(str, req_ids):
+                if req_id in self._reported:
+                    rejected.append(req_id)
+                elif req_id in self._incoming:
+                    self._incoming[req_id].deadline = deadline
+                else:
+                    self._incoming[req_id] = _Incoming(deadline)
+        return rejected
+
+    def _request_notice(self, op: str, req_id: str, message: dict) -> None:
+        with self._lock:
             entry = self._incoming.get(req_id)
-            if entry is None:
-                entry = self._incoming[req_id] = _Incoming(now + self.config.lease_s)
-            entry.deadline = now + self.config.lease_s
+            if entry is None:  # reported already (lease expired) or never begun
+                log.warning("ignoring %r for request %s: not in flight here", op, req_id)
+                return
+            entry.deadline = time.monotonic() + self.config.lease_s
             if op == "chunk":
                 entry.chunks += 1
                 entry.bytes += int(message.get("bytes", 0))
-                if message.get("last"):
-                    del self._incoming[req_id]
-                    self._finished.add(req_id)
-                    self._stats.add(requests_finished=1, bytes_sent=entry.bytes)
-            elif op == "failed":
+                if not message.get("last"):
+                    return
+                self._stats.add(bytes_sent=entry.bytes)
+            else:
                 log.warning("request %s failed on the producer: %s", req_id, message.get("reason"))
-                del self._incoming[req_id]
-                self._failed.add(req_id)
-                self._stats.add(requests_failed=1)
+            del self._incoming[req_id]
+            self._record_outcome(req_id, ok=op == "chunk")
+
+    def _on_producer_gone(self, session: Session) -> None:
+        if self._consumer_staging is not None and session.producer is not None:
+            self._consumer_staging.release(session.producer)
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
@@ -515,23 +601,26 @@ class LayerwiseConnector:
             for req_id in expired:
                 log.warning("request %s: lease expired before it finished", req_id)
                 del self._incoming[req_id]
-                self._failed.add(req_id)
-                self._stats.add(requests_failed=1)
+                self._record_outcome(req_id, ok=False)
 
     # ------------------------------------------------------------------ both roles
 
     def _report(self, req_id: str, ok: bool, delay: float = 0.0) -> None:
         with self._lock:
-            if self._in_flight.pop(req_id, None) is None and self.role == "producer":
+            if self._in_flight.pop(req_id, None) is None:
                 return  # already reported
-            if ok:
-                self._finished.add(req_id)
-                self._stats.add(requests_finished=1)
-            elif delay > 0:
-                self._delayed_failures.append((time.monotonic() + delay, req_id))
+            if delay > 0:
+                self._delayed.append((time.monotonic() + delay, req_id, ok))
             else:
-                self._failed.add(req_id)
-                self._stats.add(requests_failed=1)
+                self._record_outcome(req_id, ok)
+
+    def _record_outcome(self, req_id: str, ok: bool) -> None:
+        """Under ``self._lock``: queue the id for get_finished, remember it was reported."""
+        (self._finished if ok else self._failed).add(req_id)
+        self._reported[req_id] = None
+        if len(self._reported) > 100_000:
+            self._reported.popitem(last=False)
+        self._stats.add(**{"requests_finished" if ok else "requests_failed": 1})
 
     def get_finished(self) -> Tuple[Set[str], Set[str]]:
         """(finished, failed) request ids since the last call; each id is reported once.
@@ -541,10 +630,9 @@ class LayerwiseConnector:
             self._server.check()
         now = time.monotonic()
         with self._lock:
-            due = [r for t, r in self._delayed_failures if t <= now]
-            self._delayed_failures = [(t, r) for t, r in self._delayed_failures if t > now]
-            self._failed.update(due)
-            self._stats.add(requests_failed=len(due))
+            for _, req_id, ok in [d for d in self._delayed if d[0] <= now]:
+                self._record_outcome(req_id, ok)
+            self._delayed = [d for d in self._delayed if d[0] > now]
             finished, failed = self._finished, self._failed
             self._finished, self._failed = set(), set()
         return finished, failed
@@ -567,39 +655,59 @@ class LayerwiseConnector:
         return out
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop threads, report unfinished requests failed, unregister memory."""
+        """Stop threads, report unfinished requests failed, unregister memory. Raises
+        if a thread did not stop within ``timeout`` (after releasing everything else)."""
         if self._closed:
             return
         self._closed = True
-        for handle in self._hooks:
-            handle.remove()
-        self._stop.set()
-        if self._events is not None:
-            self._events.close()  # wakes a sender blocked in next_ready
-        if self._sender is not None:
-            self._steps.put(None)
-            self._sender.join(timeout)
-            if self._sender.is_alive():
-                raise RuntimeError("sender thread did not stop within the close timeout")
-            self._fail_all_in_flight("connector closed")
-        if self._server is not None:
-            self._server.close(timeout)
+        problems = []
+        try:
+            for handle in self._hooks:
+                handle.remove()
+            self._stop.set()
+            if self._events is not None:
+                self._events.close()  # wakes a sender blocked in next_ready
+            if self._sender is not None:
+                self._steps.put(None)
+                self._sender.join(timeout)
+                if self._sender.is_alive():
+                    problems.append("the sender thread did not stop within the close timeout")
+                self._fail_all_in_flight("connector closed")
+            if self._server is not None:
+                try:
+                    self._server.close(timeout)
+                except RuntimeError as exc:
+                    problems.append(str(exc))
+                with self._lock:
+                    for req_id in list(self._incoming):
+                        self._record_outcome(req_id, ok=False)
+                    self._incoming.clear()
+        finally:
             with self._lock:
-                for req_id in list(self._incoming):
-                    self._failed.add(req_id)
-                self._incoming.clear()
-        for peer in self._peers.values():
-            peer.control.close()
-            if peer.staging is not None:
-                peer.staging.close()
-        if self._consumer_staging is not None:
-            self._consumer_staging.close()
-        for base in self._registered:
-            self.transport.unregister(base)
-        self._registered.clear()
-        with self._lock:
-            self._failed.update(r for _, r in self._delayed_failures)
-            self._delayed_failures.clear()
+                peers = list(self._peers.values())
+                for _, req_id, ok in self._delayed:
+                    self._record_outcome(req_id, ok)
+                self._delayed.clear()
+            # Every release is attempted even if one fails (e.g. a region still read by
+            # a timed-out write); the failures are raised together below.
+            releases = [lambda p=p: self._release_peer(p) for p in peers]
+            if self._consumer_staging is not None:
+                releases.append(self._consumer_staging.close)
+            releases += [lambda b=b: self.transport.unregister(b) for b in self._registered]
+            for release in releases:
+                try:
+                    release()
+                except (TransportError, OSError) as exc:
+                    problems.append(f"release failed: {exc}")
+            self._registered.clear()
+        if problems:
+            raise RuntimeError("; ".join(problems))
+
+    def _release_peer(self, peer: _Peer) -> None:
+        peer.control.close()
+        if peer.staging is not None:
+            peer.staging.close()
+            peer.staging = None
 
     def __enter__(self) -> "LayerwiseConnector":
         return self

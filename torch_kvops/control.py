@@ -1,10 +1,15 @@
-"""Side channel for completion and failure notices (producer -> consumer).
+"""Side channel for step notices between a producer and a consumer.
 
-Data moves one-sided through the transport; this channel only says "request R: chunk
-landed / last chunk landed / failed". A notice is sent strictly after the transport
-write it describes has returned, so the consumer never hears "done" before the bytes
-are there. Messages are newline-delimited JSON and idempotent, so a resend after a
-reconnect is harmless. Every socket operation has a timeout.
+Data moves one-sided through the transport; this channel carries the notices about it:
+``hello``/``welcome`` (staging grant), ``begin`` (answered: requests the consumer no
+longer accepts), ``scatter``/``ack`` (staging slots), ``chunk`` (a chunk of a request
+landed; ``last`` on its final chunk) and ``failed``. A notice about data is sent
+strictly after the transport write it describes returned, and one connection keeps
+notices in order, so the consumer never hears "done" before the bytes are there.
+
+Messages are newline-delimited JSON. Every socket call has a timeout. A broken
+connection is a failed peer, never silently reconnected: notices (and staging acks)
+sent on the old connection could otherwise be lost without anyone noticing.
 """
 from __future__ import annotations
 
@@ -19,27 +24,35 @@ from typing import Callable, Dict, Optional
 log = logging.getLogger(__name__)
 
 
-Reply = Callable[[dict], None]
+class Session:
+    """One producer connection on the consumer side."""
+
+    def __init__(self, server: "ControlServer", conn: socket.socket) -> None:
+        self._server, self._conn = server, conn
+        self.buffer = bytearray()
+        self.producer: Optional[str] = None  # set by the hello handler
+
+    def reply(self, message: dict) -> None:
+        self._server._send(self._conn, message)
 
 
 class ControlServer:
     """Consumer side: a thread that accepts producers and hands each message to
-    ``on_message(message, reply)``, where ``reply`` answers on the same connection;
-    ``on_tick`` runs every ``tick_s`` (lease expiry)."""
+    ``on_message(message, session)``; ``on_close(session)`` runs when a connection
+    ends; ``on_tick`` runs every ``tick_s`` (lease expiry). A message whose handler
+    raises drops only its own connection (the producer then fails its requests)."""
 
-    def __init__(self, host: str, on_message: Callable[[dict, Reply], None],
-                 on_tick: Callable[[], None], tick_s: float = 0.05,
-                 send_timeout_s: float = 5.0) -> None:
-        self._send_timeout_s = send_timeout_s
-        self._on_message = on_message
-        self._on_tick = on_tick
-        self._tick_s = tick_s
+    def __init__(self, host: str, on_message: Callable[[dict, Session], None],
+                 on_close: Callable[[Session], None], on_tick: Callable[[], None],
+                 tick_s: float = 0.05, send_timeout_s: float = 5.0) -> None:
+        self._on_message, self._on_close, self._on_tick = on_message, on_close, on_tick
+        self._tick_s, self._send_timeout_s = tick_s, send_timeout_s
         self._listener = socket.create_server((host, 0))
         self._listener.setblocking(False)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
-        self._buffers: Dict[socket.socket, bytearray] = {}
+        self._sessions: Dict[socket.socket, Session] = {}
         self._stop = threading.Event()
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="kvops-control-server", daemon=True)
@@ -64,7 +77,7 @@ class ControlServer:
         except BlockingIOError:
             return
         conn.setblocking(False)
-        self._buffers[conn] = bytearray()
+        self._sessions[conn] = Session(self, conn)
         self._selector.register(conn, selectors.EVENT_READ, None)
 
     def _read(self, conn: socket.socket) -> None:
@@ -77,38 +90,38 @@ class ControlServer:
         if not data:
             self._drop(conn)
             return
-        buf = self._buffers[conn]
-        buf += data
-        while conn in self._buffers:
-            end = buf.find(b"\n")
+        session = self._sessions[conn]
+        session.buffer += data
+        while conn in self._sessions:
+            end = session.buffer.find(b"\n")
             if end < 0:
                 break
-            line = bytes(buf[:end])
-            del buf[:end + 1]
+            line = bytes(session.buffer[:end])
+            del session.buffer[:end + 1]
             try:
-                message = json.loads(line)
-            except ValueError:
-                log.warning("dropping a malformed control message: %r", line[:200])
-                continue
-            self._on_message(message, lambda answer, c=conn: self._send(c, answer))
+                self._on_message(json.loads(line), session)
+            except Exception:
+                log.exception("bad control message %r: dropping the connection", line[:200])
+                self._drop(conn)
 
     def _send(self, conn: socket.socket, message: dict) -> None:
-        if conn not in self._buffers:
+        if conn not in self._sessions:
             return  # dropped already
         conn.settimeout(self._send_timeout_s)
         try:
             conn.sendall((json.dumps(message) + "\n").encode())
         except OSError as exc:
-            # The producer went away; its requests fail by their leases, the server lives on.
             log.warning("dropping control connection: reply failed: %s", exc)
             self._drop(conn)
             return
         conn.setblocking(False)
 
     def _drop(self, conn: socket.socket) -> None:
+        session = self._sessions.pop(conn, None)
         self._selector.unregister(conn)
-        self._buffers.pop(conn, None)
         conn.close()
+        if session is not None:
+            self._on_close(session)
 
     def check(self) -> None:
         """Re-raise an error that stopped the server thread."""
@@ -120,7 +133,7 @@ class ControlServer:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise RuntimeError("control server thread did not stop")
-        for conn in list(self._buffers):
+        for conn in list(self._sessions):
             self._drop(conn)
         self._selector.unregister(self._listener)
         self._listener.close()
@@ -142,46 +155,39 @@ class ControlClient:
         self._lock = threading.Lock()
 
     def connect(self) -> None:
-        with self._lock:
-            self._connect_locked()
-
-    def _connect_locked(self) -> None:
-        if self._sock is None:
-            self._sock = socket.create_connection(self._target, timeout=self._timeout_s)
-
-    def send(self, message: dict) -> None:
-        """Send with bounded retries (reconnecting); raises ``ConnectionError`` at the end."""
-        payload = (json.dumps(message) + "\n").encode()
+        """Connect with bounded retries; ``ConnectionError`` at the end."""
         last: Optional[BaseException] = None
         with self._lock:
             for attempt in range(self._retries + 1):
                 try:
-                    self._connect_locked()
-                    self._sock.sendall(payload)
+                    self._sock = socket.create_connection(self._target, timeout=self._timeout_s)
                     return
                 except OSError as exc:
                     last = exc
-                    self._close_locked()
                     if attempt < self._retries:
                         time.sleep(self._backoff_s * (2 ** attempt))
-        raise ConnectionError(f"control channel to {self._target[0]}:{self._target[1]} failed after "
+        raise ConnectionError(f"cannot connect to {self._target[0]}:{self._target[1]} after "
                               f"{self._retries + 1} attempts: {last}") from last
 
-    def request(self, message: dict) -> dict:
-        """Send ``message`` and wait (bounded) for the next message from the peer."""
-        self.send(message)
-        answer = self.receive(self._timeout_s)
-        if answer is None:
-            raise ConnectionError(f"no answer from {self._target[0]}:{self._target[1]} within "
-                                  f"{self._timeout_s} s")
-        return answer
+    def send(self, message: dict) -> None:
+        """Send one message; ``ConnectionError`` if the connection is broken."""
+        payload = (json.dumps(message) + "\n").encode()
+        with self._lock:
+            if self._sock is None:
+                raise ConnectionError("control channel is closed")
+            try:
+                self._sock.sendall(payload)
+            except OSError as exc:
+                self._close_locked()
+                raise ConnectionError(f"control channel to {self._target[0]}:{self._target[1]} "
+                                      f"failed: {exc}") from exc
 
     def receive(self, timeout_s: float) -> Optional[dict]:
         """Next message from the peer, or None after ``timeout_s``; ConnectionError if
         the peer closed the connection."""
         with self._lock:
             if self._sock is None:
-                raise ConnectionError("control channel is not connected")
+                raise ConnectionError("control channel is closed")
             deadline = time.monotonic() + timeout_s
             while b"\n" not in self._inbox:
                 remaining = deadline - time.monotonic()
@@ -193,10 +199,13 @@ class ControlClient:
                 except socket.timeout:
                     return None
                 except OSError as exc:
+                    self._close_locked()
                     raise ConnectionError(f"control channel failed: {exc}") from exc
                 finally:
-                    self._sock.settimeout(self._timeout_s)
+                    if self._sock is not None:
+                        self._sock.settimeout(self._timeout_s)
                 if not data:
+                    self._close_locked()
                     raise ConnectionError("the peer closed the control channel")
                 self._inbox += data
             end = self._inbox.index(b"\n")
@@ -209,7 +218,7 @@ class ControlClient:
         sender fail that peer at once instead of waiting for a transfer timeout."""
         with self._lock:
             if self._sock is None:
-                return False
+                return True
             self._sock.settimeout(0.0)  # a timeout-mode socket would wait out its timeout
             try:
                 return self._sock.recv(1, socket.MSG_PEEK) == b""

@@ -8,6 +8,13 @@ import torch
 from . import _C
 
 
+def _seconds(timeout: Optional[float]) -> Optional[float]:
+    """None waits forever; huge values too (a C++ clock would overflow); negatives are 0."""
+    if timeout is None or timeout > 1e9:
+        return None
+    return max(0.0, float(timeout))
+
+
 class LayerEvents:
     """One completion event per layer on ``device`` plus a host-side ready queue.
 
@@ -37,13 +44,13 @@ class LayerEvents:
     def next_ready(self, timeout: Optional[float] = None) -> Optional[int]:
         """Oldest pushed layer, or ``None`` if ``timeout`` seconds pass (or the pool is
         closed) first. ``timeout=None`` waits until a push or :meth:`close`."""
-        return _C.layer_events_next_ready(self.handle, timeout)
+        return _C.layer_events_next_ready(self.handle, _seconds(timeout))
 
     def wait(self, layer: int, timeout: Optional[float] = None) -> bool:
         """Block until the latest record of ``layer`` completed on the device. Returns
         ``False`` on timeout or close. Only meaningful for a layer whose record was
         issued for the current step: take layers from :meth:`next_ready`."""
-        return _C.layer_events_wait(self.handle, layer, timeout)
+        return _C.layer_events_wait(self.handle, layer, _seconds(timeout))
 
     def close(self) -> None:
         """Wake every waiter, drop queued layers and free the handle. Idempotent."""

@@ -113,8 +113,8 @@ def validate_step(requests: Sequence[TransferRequest], local: KVLayout,
         if in_flight.get(req.req_id, req.peer) != req.peer:
             raise ValueError(f"request {req.req_id!r} is in flight to peer {in_flight[req.req_id]!r}, "
                              f"not {req.peer!r}")
-        src = np.asarray(req.src_blocks, dtype=np.int64).reshape(-1)
-        dst = np.asarray(req.dst_blocks, dtype=np.int64).reshape(-1)
+        src = _block_ids(req.req_id, "src_blocks", req.src_blocks)
+        dst = _block_ids(req.req_id, "dst_blocks", req.dst_blocks)
         if src.shape != dst.shape:
             raise ValueError(f"request {req.req_id!r}: {src.size} source blocks but "
                              f"{dst.size} destination blocks")
@@ -131,6 +131,17 @@ def validate_step(requests: Sequence[TransferRequest], local: KVLayout,
             raise ValueError(f"destination block {dup} on peer {peer!r} is named twice "
                              f"(requests {owners})")
     return plan
+
+
+def _block_ids(req_id: str, name: str, blocks) -> np.ndarray:
+    """Block ids as int64, refusing floats (silently truncated otherwise) and overflow."""
+    try:
+        arr = np.asarray(blocks)
+        if arr.size and arr.dtype.kind not in "iu":
+            raise ValueError(f"request {req_id!r}: {name} must be integers, got {arr.dtype}")
+        return arr.astype(np.int64, casting="safe" if arr.dtype.kind == "i" else "unsafe").reshape(-1)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"request {req_id!r}: bad {name}: {exc}") from exc
 
 
 def _check_range(req_id: str, what: str, blocks: np.ndarray, limit: int, where: str) -> None:

@@ -11,6 +11,7 @@ returned) which blocks the slot holds; the peer scatters them into its cache wit
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -56,6 +57,7 @@ class ConsumerStaging:
         self._slot_blocks = max(1, slot_bytes // block_bytes)
         self._slots = slots
         self._areas: Dict[str, torch.Tensor] = {}
+        self._retired: List[tuple] = []
         self._lock = threading.Lock()
 
     def grant(self, producer: str) -> StagingGrant:
@@ -69,16 +71,36 @@ class ConsumerStaging:
         return StagingGrant(area.data_ptr(), self._slots, self._slot_blocks)
 
     def scatter(self, producer: str, layer: int, slot: int, dst_blocks: List[int]) -> None:
+        """Copy slot ``slot`` of ``producer``'s area into ``dst_blocks`` of ``layer``
+        (block ids are checked by swap_blocks_batch; the rest here)."""
         area = self._areas[producer]
+        if not 0 <= layer < len(self._caches):
+            raise ValueError(f"scatter: layer {layer} out of range ({len(self._caches)} layers)")
+        if not 0 <= slot < self._slots:
+            raise ValueError(f"scatter: slot {slot} out of range ({self._slots} slots)")
+        if len(dst_blocks) > self._slot_blocks:
+            raise ValueError(f"scatter: {len(dst_blocks)} blocks exceed a slot of {self._slot_blocks}")
         base = slot * self._slot_blocks
         mapping = torch.tensor([[base + k, d] for k, d in enumerate(dst_blocks)], dtype=torch.int64)
         ops.swap_blocks_batch([area], [self._caches[layer]], mapping)
 
+    def release(self, producer: str) -> None:
+        """The producer's connection ended: unregister its area at once (no new
+        writes), free the memory a minute later (a write in flight may still land)."""
+        with self._lock:
+            area = self._areas.pop(producer, None)
+            now = time.monotonic()
+            self._retired = [(t, a) for t, a in self._retired if t > now]
+            if area is not None:
+                self._retired.append((now + 60.0, area))
+        if area is not None:
+            self._transport.unregister(area.data_ptr())
+
     def close(self) -> None:
         with self._lock:
-            for area in self._areas.values():
-                self._transport.unregister(area.data_ptr())
-            self._areas.clear()
+            areas, self._areas = list(self._areas.values()), {}
+        for area in areas:
+            self._transport.unregister(area.data_ptr())
 
 
 class ProducerStaging:
