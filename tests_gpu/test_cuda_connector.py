@@ -321,9 +321,9 @@ def test_layer_zero_lands_before_the_last_layer_is_computed(consumer, producer, 
     peer = conn.add_peer(consumer.info)
     layer_ms = 200  # per-layer "attention": transfers of 256 KiB take a few ms
     src = list(range(16))  # one 256 KiB descriptor per layer
-    stream = side_stream()
     warm_model = SlowModel(conn, caches, src, 0)
     timed_model = SlowModel(conn, caches, src, cycles_per_ms * layer_ms)
+    stream = side_stream()  # after the models' tensors were made on the current stream
     graph = None
     try:
         # Warm-up (handshake with the peer, Mooncake's first device copy), not timed.
