@@ -357,3 +357,14 @@ def test_a_bad_control_message_drops_only_its_connection(consumer, producer):
     conn.wait_for_save(timeout=30)
     finished, _, _ = consumer.call("wait", ["after"], 10.0)
     assert finished == {"after"}
+
+
+def test_caches_the_transport_cannot_move_are_refused_up_front():
+    transport = MooncakeTransport(host="127.0.0.1")
+    try:
+        conn = LayerwiseConnector("producer", transport)
+        with pytest.raises(ValueError, match="cannot move meta memory"):
+            conn.register_kv_caches([torch.empty(4, 2, device="meta")])
+        assert transport.supports_device("cpu")
+    finally:
+        transport.close()

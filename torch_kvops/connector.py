@@ -170,6 +170,11 @@ class LayerwiseConnector:
         devices = {c.device for c in kv_caches}
         if len(devices) != 1:
             raise ValueError(f"all KV caches must be on one device, got {sorted(map(str, devices))}")
+        device = next(iter(devices))
+        if not self.transport.supports_device(device.type):
+            raise ValueError(f"transport {self.transport.name!r} cannot move {device.type} memory "
+                             "(for CUDA caches install the CUDA build of Mooncake, "
+                             "mooncake-transfer-engine)")
         self._layout = KVLayout.of(kv_caches)
         self._caches = list(kv_caches)
         self._stats = _Stats(len(self._caches))
@@ -178,14 +183,13 @@ class LayerwiseConnector:
             self.transport.register(base, length)
             self._registered.append(base)
         if self.role == "producer":
-            self._events = LayerEvents(len(self._caches), next(iter(devices)))
+            self._events = LayerEvents(len(self._caches), device)
             for i, cache in enumerate(self._caches):
                 self._events.bind(i, cache)
             self._sender = threading.Thread(target=self._sender_main, name="kvops-sender", daemon=True)
             self._sender.start()
         else:
-            if self.config.staging_threshold_bytes > 0 and uniform_block(self._caches) is not None \
-                    and self._caches[0].device.type == "cpu":
+            if self._can_stage():
                 self._consumer_staging = ConsumerStaging(self._caches, self.transport,
                                                          self.config.staging_slot_bytes,
                                                          self.config.staging_slots)
@@ -227,19 +231,24 @@ class LayerwiseConnector:
                                 retries=self.config.max_retries,
                                 backoff_s=self.config.retry_backoff_s)
         control.connect()
-        control.send({"op": "hello", "producer": self.engine_id})
+        control.send({"op": "hello", "producer": self.engine_id, "staging": self._can_stage()})
         welcome = control.receive(self.config.control_timeout_s)
         if welcome is None or welcome.get("op") != "welcome":
             control.close()
             raise ConnectionError(f"peer at {info['control_address']} did not answer hello")
         peer = _Peer(info["engine_id"], layout, info["data_address"], control)
         grant = welcome.get("staging")
-        if grant and self.config.staging_threshold_bytes > 0 and uniform_block(self._caches) is not None \
-                and self._caches[0].device.type == "cpu":
+        if grant and self._can_stage():
             peer.staging = ProducerStaging(self._caches, self.transport, StagingGrant(**grant))
         with self._lock:
             self._peers[peer.peer_id] = peer
         return peer.peer_id
+
+    def _can_stage(self) -> bool:
+        """Staging gathers on the host: CPU caches with one block shape and dtype.
+        (A device-side gather would need its own stream and event.)"""
+        return (self.config.staging_threshold_bytes > 0 and self._caches[0].device.type == "cpu"
+                and uniform_block(self._caches) is not None)
 
     def attach(self, model: torch.nn.Module, layers: Sequence[torch.nn.Module]) -> list:
         """Call ``save_kv_layer(i, cache_i)`` after ``layers[i]``'s forward (forward
@@ -541,7 +550,7 @@ class LayerwiseConnector:
         if op == "hello":
             session.producer = str(message["producer"])
             log.info("producer %s connected", session.producer)
-            staging = self._consumer_staging
+            staging = self._consumer_staging if message.get("staging") else None
             grant = staging.grant(session.producer) if staging else None
             session.reply({"op": "welcome", "staging": grant.to_json() if grant else None})
         elif op == "begin":

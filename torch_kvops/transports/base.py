@@ -48,6 +48,11 @@ class Transport(abc.ABC):
     def address(self) -> str:
         """What a peer passes as ``peer`` to :meth:`write`, e.g. ``"127.0.0.1:15002"``."""
 
+    def supports_device(self, device_type: str) -> bool:
+        """Whether memory of this device type ("cpu", "cuda", ...) can be registered
+        and moved. The connector checks it before registering KV caches."""
+        return device_type == "cpu"
+
     @abc.abstractmethod
     def register(self, ptr: int, length: int) -> None:
         """Make ``[ptr, ptr + length)`` usable as a write source here and as a write

@@ -267,6 +267,17 @@ class MooncakeTransport(Transport):
         self._starts = np.array(self._starts_list, dtype=np.uint64)
         self._ends = np.array(self._ends_list, dtype=np.uint64)
 
+    def supports_device(self, device_type: str) -> bool:
+        """CPU always; CUDA only with the CUDA build of Mooncake (the
+        ``mooncake-transfer-engine`` wheel), whose TCP/RDMA transports read GPU memory."""
+        if device_type == "cpu":
+            return True
+        if device_type == "cuda":
+            import mooncake.engine as engine_module  # already imported by __init__
+
+            return bool(getattr(engine_module, "SUPPORT_CUDA", False))
+        return False
+
     def register(self, ptr: int, length: int) -> None:
         """Register ``[ptr, ptr + length)`` (idempotent for the same ``ptr`` and ``length``).
 
