@@ -111,7 +111,9 @@ class ControlServer:
         try:
             conn.sendall((json.dumps(message) + "\n").encode())
         except OSError as exc:
-            log.warning("dropping control connection: reply failed: %s", exc)
+            # A producer that closed after its last notice: its acks have no reader.
+            level = logging.INFO if isinstance(exc, (ConnectionResetError, BrokenPipeError)) else logging.WARNING
+            log.log(level, "dropping control connection: reply failed: %s", exc)
             self._drop(conn)
             return
         conn.setblocking(False)

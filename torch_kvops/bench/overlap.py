@@ -26,33 +26,33 @@ def plot_timeline(result: Dict[str, object], path: str, flavor: Optional[str] = 
     flavor = flavor or ("compiled" if "compiled" in result else "eager")
     lw = result["traces"][f"layerwise[{flavor}]"]
     af = result["traces"][f"after_forward[{flavor}]"]
-    forward_s = result[flavor]["prefill_compute_s"]
-    fig, ax = plt.subplots(figsize=(11, 3.6))
-    colors = plt.cm.viridis([i / max(1, len(lw) - 1) for i in range(len(lw))])
+    fig, ax = plt.subplots(figsize=(11, 3.8))
+    colors = plt.cm.viridis([i / max(1, len(lw["layers"]) - 1) for i in range(len(lw["layers"]))])
     rows = {"layer-wise: compute": 3, "layer-wise: transfer": 2,
             "after forward: compute": 1, "after forward: transfer": 0}
     prev = 0.0
-    for row, color in zip(lw, colors):  # a layer computes until its push
+    for row, color in zip(lw["layers"], colors):  # a layer computes until its push
         ax.broken_barh([(prev, row["pushed"] - prev)], (rows["layer-wise: compute"] - 0.35, 0.7),
                        facecolors=color, edgecolor="white", linewidth=0.3)
         prev = row["pushed"]
         ax.broken_barh([(row["event_ready"], row["landed"] - row["event_ready"])],
                        (rows["layer-wise: transfer"] - 0.35, 0.7), facecolors=color, edgecolor="black",
                        linewidth=0.3)
-    ax.broken_barh([(0, forward_s)], (rows["after forward: compute"] - 0.35, 0.7), facecolors="#bbbbbb")
-    for row, color in zip(af, colors):
+    ax.broken_barh([(0, af["forward_s"])], (rows["after forward: compute"] - 0.35, 0.7),
+                   facecolors="#bbbbbb")
+    for row, color in zip(af["layers"], colors):
         ax.broken_barh([(row["event_ready"], row["landed"] - row["event_ready"])],
                        (rows["after forward: transfer"] - 0.35, 0.7), facecolors=color, edgecolor="black",
                        linewidth=0.3)
-    for name, key in (("layer-wise KV ready", "kv_ready_layerwise_s"),
-                      ("after-forward KV ready", "kv_ready_after_forward_s")):
-        ax.axvline(result[flavor][key], linestyle="--", linewidth=1,
-                   color="tab:green" if "layer" in name else "tab:red", label=name)
+    for trace, name, color in ((lw, "layer-wise", "tab:green"), (af, "after forward", "tab:red")):
+        ax.axvline(trace["kv_ready_s"], linestyle="--", linewidth=1, color=color,
+                   label=f"{name}: decode side has all KV ({trace['kv_ready_s']:.3f} s)")
     ax.set_yticks(list(rows.values()), list(rows.keys()))
     ax.set_xlabel("seconds since the start of prefill")
-    ax.set_title(f"one prefill step ({flavor}); colour = layer; transfer bars span event ready -> landed")
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
+    ax.set_title(f"one prefill step ({flavor} forward); colour = layer; "
+                 "transfer bars span event ready -> landed")
+    fig.legend(loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
