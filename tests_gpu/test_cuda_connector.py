@@ -66,17 +66,6 @@ CONSUMER_WAIT_S = 30.0
 # Fixtures and helpers
 
 
-@pytest.fixture(scope="module")
-def cycles_per_ms():
-    """torch.cuda._sleep cycles per millisecond on this GPU."""
-    torch.cuda._sleep(1000)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(20_000_000)
-    end.record()
-    end.synchronize()
-    return 20_000_000 / max(start.elapsed_time(end), 1e-3)
-
 
 @pytest.fixture
 def consumer():
