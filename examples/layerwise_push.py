@@ -9,7 +9,7 @@ layer while the next one computes.
 import multiprocessing as mp
 import os
 
-os.environ.setdefault("GLOG_minloglevel", "2")
+os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
 import torch  # noqa: E402
 

@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import Dict, List
 
-os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog INFO lines drown the table
+os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # Mooncake's glog INFO lines drown the table
 
 import torch  # noqa: E402
 

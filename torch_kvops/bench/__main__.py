@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-os.environ.setdefault("GLOG_minloglevel", "2")
+os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
 from . import ops as ops_bench  # noqa: E402
 from . import overlap as overlap_bench  # noqa: E402
