@@ -298,12 +298,19 @@ def run(args) -> dict:
                               r - f for r, f in zip(samples[f"kv_ready_{name}_s[{flavor}]"],
                                                     samples[f"forward_{name}_s[{flavor}]"]))
                              for name in ("layerwise", "after_forward")}}
+        entry = result[flavor]
+        # The formula with each KV-ready time taken relative to its own run's
+        # forward end: immune to compute noise, blind to a slowdown of the forward itself
+        # (compare prefill_compute_s with forward_with_layerwise_push_s for that).
+        entry["hidden_fraction_within_run"] = (entry["exposed_after_after_forward_s"]
+                                               - entry["exposed_after_layerwise_s"]) / overlappable
     main = result["eager"]
     result.update({"prefill_compute_s": main["prefill_compute_s"], "transfer_s": med["transfer_s"],
                    "kv_ready_layerwise_s": main["kv_ready_layerwise_s"],
                    "kv_ready_after_forward_s": main["kv_ready_after_forward_s"],
                    "hidden_fraction": main["hidden_fraction"],
                    "hidden_fraction_paired": main["hidden_fraction_paired"],
+                   "hidden_fraction_within_run": main["hidden_fraction_within_run"],
                    "config": {k: v for k, v in vars(args).items() if k != "json_out"},
                    "kv_mib": kv_mib, "samples": samples, "traces": traces,
                    "sender_stats": {k: stats[k] for k in ("bytes_sent", "layers_sent", "retries",
@@ -320,6 +327,7 @@ def print_report(result: dict) -> None:
             ("KV ready, push after forward (s)", "kv_ready_after_forward_s"),
             ("hidden fraction of overlappable", "hidden_fraction"),
             ("  same, median of per-round values", "hidden_fraction_paired"),
+            ("  same, within-run (noise-free)", "hidden_fraction_within_run"),
             ("KV wait after fwd, layer-wise (s)", "exposed_after_layerwise_s"),
             ("KV wait after fwd, after-fwd (s)", "exposed_after_after_forward_s")]
     for label, key in rows:
@@ -328,7 +336,8 @@ def print_report(result: dict) -> None:
     print(f"{'transfer of all layers alone (s)':34} {result['transfer_s']:10.3f}")
     print(f"tokens identical to the monolithic run: {result['tokens_match']}")
     print(f"layer-wise push hid {result['hidden_fraction'] * 100:.0f}% of min(compute, transfer) "
-          f"(per-round median {result['hidden_fraction_paired'] * 100:.0f}%; goal >= 80%)")
+          f"(per-round median {result['hidden_fraction_paired'] * 100:.0f}%, within-run "
+          f"{result['hidden_fraction_within_run'] * 100:.0f}%; goal >= 80%)")
 
 
 def parse_args(argv=None):
