@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import torch_kvops
+import torch_kvops  # noqa: F401  registers torch.ops.kvops
 from torch_kvops import LayerEvents
 
 

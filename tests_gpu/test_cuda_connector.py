@@ -274,7 +274,7 @@ def test_cuda_graph_replays_deliver_every_layer(consumer, producer, cycles_per_m
             launch = model.forward if graph is None else graph.replay
             sent_before = conn.stats()["layers_sent"]
 
-            def step():
+            def step(values=values, launch=launch):
                 model.set_inputs(values)  # same stream as the forward: ordered before it
                 launch()
 

@@ -14,7 +14,6 @@ See docs/connector.md for threads and failure semantics.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
