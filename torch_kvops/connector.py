@@ -418,23 +418,47 @@ class LayerwiseConnector:
             self._stats.add(bytes_sent=int(lengths.sum()))
 
     def _write_staged(self, step: _Step, peer: _Peer, layer: int, src_blocks, dst_blocks) -> None:
+        """Slot by slot: gather, write, scatter notice. The gather of the next slot runs
+        while the current one is on the wire (both release the GIL)."""
         staging = peer.staging
         per_slot = staging.grant.slot_blocks
-        for start in range(0, src_blocks.size, per_slot):
-            slot = staging.next_slot()
-            if staging.busy[slot] and not self._await_ack(peer, slot):
-                self._give_up_peer(step, peer, f"staging slot {slot} was not released in time")
+        starts = list(range(0, src_blocks.size, per_slot))
+        slot = self._claim_slot(step, peer)
+        if slot is None:
+            return
+        pending = staging.gather_async(layer, slot, src_blocks[:per_slot])
+        for i, start in enumerate(starts):
+            desc = pending.result()
+            following = None
+            if i + 1 < len(starts):
+                following = self._claim_slot(step, peer)
+                if following is None:
+                    return
+                nxt = starts[i + 1]
+                pending = staging.gather_async(layer, following, src_blocks[nxt:nxt + per_slot])
+            written = self._write_with_retries(step, peer, layer, [desc[0]], [desc[1]], [desc[2]])
+            if not written:
+                if following is not None:
+                    pending.result()  # never leave a copy running into a released buffer
                 return
-            s, d, n = staging.gather(layer, slot, src_blocks[start:start + per_slot])
-            if not self._write_with_retries(step, peer, layer, [s], [d], [n]):
-                return
-            self._stats.add(bytes_sent=n, staged_writes=1)
+            self._stats.add(bytes_sent=desc[2], staged_writes=1)
             staging.busy[slot] = True
             if not self._control_send(peer, {"op": "scatter", "producer": self.engine_id,
                                              "layer": layer, "slot": slot,
                                              "dst": dst_blocks[start:start + per_slot].tolist()}):
                 step.failed_peers[peer.peer_id] = peer.dead
+                if following is not None:
+                    pending.result()
                 return
+            slot = following
+
+    def _claim_slot(self, step: _Step, peer: _Peer) -> Optional[int]:
+        """The next staging slot, once the peer has released it (ack)."""
+        slot = peer.staging.next_slot()
+        if peer.staging.busy[slot] and not self._await_ack(peer, slot):
+            self._give_up_peer(step, peer, f"staging slot {slot} was not released in time")
+            return None
+        return slot
 
     def _begin(self, peer: _Peer, req_ids: List[str]) -> Optional[set]:
         """Announce the step's requests; the consumer answers with those it no longer

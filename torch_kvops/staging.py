@@ -131,5 +131,32 @@ class ProducerStaging:
         offset = base * self._block_bytes
         return (self._buffer.data_ptr() + offset, self.grant.address + offset, n * self._block_bytes)
 
+    def gather_async(self, layer: int, slot: int, src_blocks: np.ndarray) -> "_Gather":
+        """:meth:`gather` on a short-lived thread; ``.result()`` joins it."""
+        return _Gather(self, layer, slot, src_blocks)
+
     def close(self) -> None:
         self._transport.unregister(self._buffer.data_ptr())
+
+
+class _Gather:
+    """One gather running on its own thread (the op releases the GIL while copying)."""
+
+    def __init__(self, staging: ProducerStaging, layer: int, slot: int, src_blocks: np.ndarray) -> None:
+        self._value = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(staging, layer, slot, src_blocks),
+                                        name="kvops-gather", daemon=True)
+        self._thread.start()
+
+    def _run(self, staging, layer, slot, src_blocks) -> None:
+        try:
+            self._value = staging.gather(layer, slot, src_blocks)
+        except BaseException as exc:  # handed to the sender by result()
+            self._error = exc
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
