@@ -362,9 +362,6 @@ class LayerwiseConnector:
                 return
             layer = self._events.next_ready(timeout=0.05)
             if layer is None:
-                if self._stop.is_set():
-                    self._fail_step(step, "connector closed during the step")
-                    return
                 if time.monotonic() > deadline:
                     self._fail_step(step, f"layers {sorted(remaining)} not pushed within "
                                           f"{self.config.step_timeout_s} s")
@@ -414,7 +411,7 @@ class LayerwiseConnector:
         fragmented = lengths.size > 1 and lengths.mean() < self.config.staging_threshold_bytes
         if peer.staging is not None and fragmented:
             self._write_staged(step, peer, layer, *blocks)
-        elif self._write_with_retries(step, peer, layer, src.tolist(), dst.tolist(), lengths.tolist()):
+        elif self._write_with_retries(step, peer, layer, src, dst, lengths):  # numpy: no list round trip
             self._stats.add(bytes_sent=int(lengths.sum()))
 
     def _write_staged(self, step: _Step, peer: _Peer, layer: int, src_blocks, dst_blocks) -> None:
@@ -427,30 +424,29 @@ class LayerwiseConnector:
         if slot is None:
             return
         pending = staging.gather_async(layer, slot, src_blocks[:per_slot])
-        for i, start in enumerate(starts):
-            desc = pending.result()
-            following = None
-            if i + 1 < len(starts):
-                following = self._claim_slot(step, peer)
-                if following is None:
+        try:
+            for i, start in enumerate(starts):
+                desc, pending = pending.result(), None
+                following = None
+                if i + 1 < len(starts):
+                    following = self._claim_slot(step, peer)
+                    if following is None:
+                        return
+                    nxt = starts[i + 1]
+                    pending = staging.gather_async(layer, following, src_blocks[nxt:nxt + per_slot])
+                if not self._write_with_retries(step, peer, layer, [desc[0]], [desc[1]], [desc[2]]):
                     return
-                nxt = starts[i + 1]
-                pending = staging.gather_async(layer, following, src_blocks[nxt:nxt + per_slot])
-            written = self._write_with_retries(step, peer, layer, [desc[0]], [desc[1]], [desc[2]])
-            if not written:
-                if following is not None:
-                    pending.result()  # never leave a copy running into a released buffer
-                return
-            self._stats.add(bytes_sent=desc[2], staged_writes=1)
-            staging.busy[slot] = True
-            if not self._control_send(peer, {"op": "scatter", "producer": self.engine_id,
-                                             "layer": layer, "slot": slot,
-                                             "dst": dst_blocks[start:start + per_slot].tolist()}):
-                step.failed_peers[peer.peer_id] = peer.dead
-                if following is not None:
-                    pending.result()
-                return
-            slot = following
+                self._stats.add(bytes_sent=desc[2], staged_writes=1)
+                staging.busy[slot] = True
+                if not self._control_send(peer, {"op": "scatter", "producer": self.engine_id,
+                                                 "layer": layer, "slot": slot,
+                                                 "dst": dst_blocks[start:start + per_slot].tolist()}):
+                    step.failed_peers[peer.peer_id] = peer.dead
+                    return
+                slot = following
+        finally:
+            if pending is not None:
+                pending.result()  # never leave a copy running into a buffer about to be released
 
     def _claim_slot(self, step: _Step, peer: _Peer) -> Optional[int]:
         """The next staging slot, once the peer has released it (ack)."""
@@ -482,7 +478,7 @@ class LayerwiseConnector:
             try:
                 message = peer.control.receive(min(remaining, 0.1))
             except ConnectionError as exc:
-                peer.dead = f"control channel failed: {exc}"
+                peer.dead = peer.dead or f"control channel failed: {exc}"
                 return None
             if message is None:
                 continue
@@ -519,15 +515,16 @@ class LayerwiseConnector:
             peer.control.send(message)
             return True
         except ConnectionError as exc:
-            peer.dead = f"control channel failed: {exc}"
+            peer.dead = peer.dead or f"control channel failed: {exc}"
             return False
 
     def _finish_step(self, step: _Step) -> None:
+        bytes_per_block = sum(layer.block_bytes for layer in self._layout.layers)
         for peer_id, entries in step.plan.by_peer.items():
             peer = self._peers[peer_id]
             for req, src, _ in entries:
                 if peer_id not in step.failed_peers:
-                    nbytes = int(src.size) * sum(l.block_bytes for l in self._layout.layers)
+                    nbytes = int(src.size) * bytes_per_block
                     if self._control_send(peer, {"op": "chunk", "req": req.req_id,
                                                  "last": req.last_chunk, "bytes": nbytes}):
                         if req.last_chunk:
@@ -536,9 +533,9 @@ class LayerwiseConnector:
                             self._report(req.req_id, ok=True, delay=delay)
                         continue
                     step.failed_peers[peer_id] = peer.dead
-                reason = step.failed_peers[peer_id]
-                if not peer.dead or "control channel" not in peer.dead:
-                    self._control_send(peer, {"op": "failed", "req": req.req_id, "reason": reason})
+                # best effort: a broken channel fails at once (its socket is closed)
+                self._control_send(peer, {"op": "failed", "req": req.req_id,
+                                          "reason": step.failed_peers[peer_id]})
                 self._report(req.req_id, ok=False, delay=self.config.quarantine_s)
 
     def _fail_step(self, step: _Step, reason: str) -> None:
