@@ -1,6 +1,7 @@
 """LayerEvents: per-layer completion events and the ready queue the sender reads."""
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Union
 
 import torch
@@ -33,7 +34,9 @@ class LayerEvents:
             self.device = torch.device(self.device.type, backend.current_device())
         self.num_layers = int(num_layers)
         self.handle: int = _C.layer_events_create(self.num_layers, str(self.device))
-        self._closed = False
+        # Runs once: on close(), on garbage collection, or at interpreter exit (while
+        # the extension is still loaded), so no destructor has to guess.
+        self._close = weakref.finalize(self, _C.layer_events_close, self.handle)
 
     def bind(self, layer: int, kv_cache: torch.Tensor) -> None:
         """Declare the tensor that holds ``layer``'s KV cache. The ops then reject any
@@ -54,21 +57,13 @@ class LayerEvents:
 
     def close(self) -> None:
         """Wake every waiter, drop queued layers and free the handle. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            _C.layer_events_close(self.handle)
+        self._close()
 
     def __enter__(self) -> "LayerEvents":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: the extension may be gone already
-            pass
 
     def __repr__(self) -> str:
         return f"LayerEvents(num_layers={self.num_layers}, device={self.device}, handle={self.handle})"

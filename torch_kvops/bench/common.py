@@ -12,14 +12,12 @@ import torch
 
 def machine() -> Dict[str, object]:
     cpu = platform.processor() or platform.machine()
-    try:
+    if os.path.exists("/proc/cpuinfo"):  # Linux names the model; elsewhere keep platform's
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
                     cpu = line.split(":", 1)[1].strip()
                     break
-    except OSError:
-        pass
     info: Dict[str, object] = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
                                "torch_threads": torch.get_num_threads()}
     if torch.cuda.is_available():

@@ -378,12 +378,9 @@ class MooncakeTransport(Transport):
     def _prepare(self, peer: str, src, dst, lengths):
         """Validate, merge and cut the descriptors. Returns (src, dst, len, region) lists
         (region = start of the registered source region of each piece)."""
-        try:
-            count = len(src)
-            if count == len(dst) == len(lengths) and count <= self._SMALL_PREPARE:
-                return self._prepare_small(peer, src, dst, lengths)
-        except TypeError:
-            pass
+        sized = all(hasattr(x, "__len__") for x in (src, dst, lengths))
+        if sized and len(src) == len(dst) == len(lengths) <= self._SMALL_PREPARE:
+            return self._prepare_small(peer, src, dst, lengths)
         try:
             s = np.asarray(src, dtype=np.uint64).reshape(-1)
             d = np.asarray(dst, dtype=np.uint64).reshape(-1)
