@@ -106,10 +106,18 @@ CopyPlan plan_block_copies(const std::vector<at::Tensor>& src,
   if (rows == 0) return plan;
   const int64_t* m = mapping.data_ptr<int64_t>();
 
-  // Every index against every layer, before any byte moves.
-  int64_t max_dst = -1;
+  // Every index against every layer, before any byte moves: one pass for the extremes,
+  // then O(1) per layer; the rows are scanned again only to name a bad one.
+  int64_t min_src = m[0], max_src = m[0], min_dst = m[1], max_dst = m[1];
+  for (int64_t r = 1; r < rows; ++r) {
+    min_src = std::min(min_src, m[2 * r]);
+    max_src = std::max(max_src, m[2 * r]);
+    min_dst = std::min(min_dst, m[2 * r + 1]);
+    max_dst = std::max(max_dst, m[2 * r + 1]);
+  }
   for (size_t i = 0; i < src.size(); ++i) {
     const int64_t ns = src[i].size(0), nd = dst[i].size(0);
+    if (min_src >= 0 && max_src < ns && min_dst >= 0 && max_dst < nd) continue;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t s = m[2 * r], d = m[2 * r + 1];
       TORCH_CHECK(s >= 0 && s < ns, "swap_blocks_batch: block_mapping[", r, "] = (", s, ", ", d,
@@ -117,7 +125,6 @@ CopyPlan plan_block_copies(const std::vector<at::Tensor>& src,
       TORCH_CHECK(d >= 0 && d < nd, "swap_blocks_batch: block_mapping[", r, "] = (", s, ", ", d,
                   "): destination block ", d, " is out of range for dst[", i, "] with ", nd,
                   " blocks");
-      max_dst = std::max(max_dst, d);
     }
   }
   std::vector<int64_t> first_row(static_cast<size_t>(max_dst + 1), -1);

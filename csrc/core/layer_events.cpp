@@ -70,7 +70,6 @@ void LayerEventPool::push(int64_t layer) {
     if (closed_) return;
     ready_.push_back(layer);
   }
-  pushes_.fetch_add(1);
   cv_.notify_all();
 }
 

@@ -51,7 +51,6 @@ class LayerEventPool {
   // written back only at the end of the graph, after the layer was already sent).
   void bind(int64_t layer, const void* data_ptr);
   void check_binding(int64_t layer, const void* data_ptr) const;
-  uint64_t pushes() const { return pushes_.load(); }
 
  private:
   const int64_t handle_;
@@ -62,7 +61,6 @@ class LayerEventPool {
   std::condition_variable cv_;
   std::deque<int64_t> ready_;
   bool closed_ = false;
-  std::atomic<uint64_t> pushes_{0};
   std::unique_ptr<std::atomic<uintptr_t>[]> bound_ptrs_;  // 0 = not bound
 };
 
