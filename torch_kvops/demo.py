@@ -129,17 +129,21 @@ class PrefillSide:
         return ids, src, requests
 
     def _release(self, ids, src) -> None:
-        self.decode.call("free", ids)
-        for table in src:
-            self.allocator.free(table)
+        """Free a round's blocks on both sides, the source blocks only once the producer
+        reports the requests finished (the rule the connector docs give engines)."""
         deadline = time.monotonic() + 30
         pending = set(ids)
-        while pending and time.monotonic() < deadline:
+        while pending:
             done, failed = self.conn.get_finished()
             if failed & pending:
                 raise RuntimeError(f"requests failed: {sorted(failed & pending)}")
             pending -= done
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"producer never reported {sorted(pending)} finished")
             time.sleep(0.001)
+        for table in src:
+            self.allocator.free(table)
+        self.decode.call("free", ids)
 
     def compute_only(self, flavor: str) -> float:
         from torch_kvops.testing.paged_llama import prefill
