@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SOURCES := $(shell find csrc -type f) setup.py
 
-.PHONY: setup build test test-gpu demo bench cuda-check clean
+.PHONY: setup build test test-gpu demo bench cuda-check wheel-check clean
 
 setup: $(VENV)/.ready
 
@@ -33,6 +33,10 @@ bench: build
 # Compiles and links the CUDA backend against the CUDA build of torch on a CPU-only machine.
 cuda-check: setup
 	VENV=$(VENV) bash scripts/check_cuda_build.sh
+
+# Builds the wheel, installs it into a clean venv and uses the installed package (~2 min).
+wheel-check: setup
+	VENV=$(VENV) bash scripts/check_wheel.sh
 
 clean:
 	rm -rf build torch_kvops/_C*.so torch_kvops/.built

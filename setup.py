@@ -67,12 +67,19 @@ def make_extension():
                         extra_compile_args={"cxx": cxx})
 
 
+def requirements():
+    """The compiled extension is tied to the torch it was built against (C++ ABI,
+    dispatcher symbols): pin that release, whatever its local tag (+cpu, +cu130)."""
+    import torch
+
+    return [f"torch=={torch.__version__.split('+')[0]}", "numpy"]
+
+
+# Name, version and extras: pyproject.toml. Every package under torch_kvops/ is found
+# (tests/test_packaging.py checks that each has an __init__.py, so none is left out).
 setup(
-    name="torch_kvops",
-    version="0.1.0",
-    description="Batched KV-cache block copies and layer-wise KV transfer for PyTorch",
     packages=find_packages(include=["torch_kvops", "torch_kvops.*"]),
+    install_requires=requirements(),
     ext_modules=[make_extension()],
     cmdclass={"build_ext": BuildExtension},
-    python_requires=">=3.9",
 )
