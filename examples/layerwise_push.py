@@ -7,11 +7,8 @@ The decode side (consumer) runs in a child process; this process is the prefill 
 layer while the next one computes.
 """
 import multiprocessing as mp
-import os
 
-os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-
-import torch  # noqa: E402
+import torch
 
 LAYERS, BLOCKS, BLOCK_SHAPE = 8, 128, (2, 16, 4, 64)
 

@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 import traceback
 from typing import Dict, List
 
-os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # Mooncake's glog INFO lines drown the table
+import torch
 
-import torch  # noqa: E402
-
-from .testing.worker import WorkerProcess  # noqa: E402
+from .testing.worker import WorkerProcess
 
 
 def _progress(msg: str) -> None:

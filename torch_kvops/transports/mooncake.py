@@ -20,18 +20,27 @@ numbers and failure behaviours behind the choices below. In short:
 * Mooncake's TCP transport does not check that the *source* range is registered (it
   simply reads the pointer), so ``write()`` checks it against this transport's
   registrations before submitting anything.
+* Mooncake logs through glog to stderr. By default (``KVOPS_MOONCAKE_LOG=quiet``) this
+  transport sets ``MC_LOG_LEVEL=WARNING`` unless the caller set it, and drops the few
+  lines that Mooncake's P2P ``initialize()`` prints on every start although nothing is
+  wrong (one of them at ERROR level: "Local segment descriptor not found"). Every other
+  line, real errors included, is shown. ``KVOPS_MOONCAKE_LOG=verbose`` shows everything.
 """
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import logging
 import os
+import re
 import socket
+import sys
+import tempfile
 import threading
 import time
 import traceback
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -59,6 +68,62 @@ _DIAGNOSIS_S = 1.0
 # whenever it discovers an RDMA device, TCP otherwise.
 _FORCE_TCP_ENV = "MC_FORCE_TCP"
 _ENV_LOCK = threading.Lock()
+
+
+# Mooncake's log: "quiet" (default) or "verbose" (docs/mooncake-notes.md).
+LOG_SWITCH_ENV = "KVOPS_MOONCAKE_LOG"
+_LOG_MODES = ("quiet", "verbose")
+# Lines Mooncake 0.3.x prints while a P2P-handshake engine starts, none of which means
+# anything is wrong: glog's notice that nobody called InitGoogleLogging; the local
+# segment looked up before initialize() has added it (logged at ERROR); the default
+# allocator for TCP, and the same allocator again for a second engine in one process.
+BENIGN_START_LINES = (
+    re.compile(rb"Logging before InitGoogleLogging\(\) is written to STDERR"),
+    re.compile(rb"transfer_metadata\.cpp:\d+\] Local segment descriptor not found"),
+    re.compile(rb"transfer_engine_py\.cpp:\d+\] Using default malloc/free for protocol: tcp"),
+    re.compile(rb"transfer_engine_py\.cpp:\d+\] Memory allocator already initialized with: tcp"),
+)
+
+
+def _mooncake_log_mode() -> str:
+    """The KVOPS_MOONCAKE_LOG mode; in quiet mode also default MC_LOG_LEVEL to WARNING
+    (Mooncake reads it when an engine is made, so this runs before that)."""
+    mode = os.environ.get(LOG_SWITCH_ENV, "quiet").strip().lower() or "quiet"
+    if mode not in _LOG_MODES:
+        raise ValueError(f"{LOG_SWITCH_ENV}={os.environ[LOG_SWITCH_ENV]!r}: expected one of "
+                         f"{', '.join(_LOG_MODES)}")
+    if mode == "quiet":
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    return mode
+
+
+@contextlib.contextmanager
+def _benign_lines_dropped(enabled: bool) -> Iterator[None]:
+    """While the body runs, stderr (fd 2, where glog writes from C++) goes to a
+    temporary file; afterwards every line except the known-benign start lines is
+    written to the real stderr. Only the engine's start runs under this (milliseconds):
+    output of other threads in that window is delayed, never lost, and nothing is
+    filtered afterwards, so errors of later transfers show as Mooncake prints them."""
+    if not enabled:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as captured:
+            os.dup2(captured.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                captured.seek(0)
+                kept = b"".join(line for line in captured.read().splitlines(keepends=True)
+                                if not any(p.search(line) for p in BENIGN_START_LINES))
+                while kept:
+                    kept = kept[os.write(2, kept):]
+    finally:
+        os.close(saved)
 
 
 def _load_engine_class():
@@ -152,6 +217,7 @@ class MooncakeTransport(Transport):
                  default_timeout_s: float = 10.0, close_timeout_s: float = 35.0,
                  busy_poll_s: float = 200e-6, min_poll_interval_s: float = 50e-6,
                  max_poll_interval_s: float = 1e-3):
+        log_mode = _mooncake_log_mode()  # before Mooncake is loaded: it reads MC_LOG_LEVEL
         engine_cls = _load_engine_class()
         if protocol not in ("tcp", "rdma"):
             raise TransportError(f"unsupported protocol {protocol!r}: MooncakeTransport supports "
@@ -193,9 +259,11 @@ class MooncakeTransport(Transport):
         self._address = ""
 
         _check_local_host(host)
-        engine = engine_cls()
+        with _benign_lines_dropped(log_mode == "quiet"):
+            engine = engine_cls()
         try:
-            port = self._initialize(engine, host, protocol, device_name)
+            with _benign_lines_dropped(log_mode == "quiet"):
+                port = self._initialize(engine, host, protocol, device_name)
         except BaseException as exc:
             # Destroy the half-made engine now rather than whenever the traceback's
             # frames are collected: destruction blocks (with the GIL held) for up to
