@@ -1,0 +1,218 @@
+"""LayerwiseConnector: push each layer's KV blocks to decode while later layers compute.
+
+The public API over both roles. The send path is in ``producer.py`` (with
+``peer.py``), the receive path in ``consumer.py``; what both share (configuration,
+outcome reporting, counters) in ``config.py`` and ``ledger.py``. See
+docs/connector.md for threads and failure semantics.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Iterable, List, Optional, Sequence, Set, Tuple, Union
+
+import torch
+
+from ..plan import KVLayout, TransferRequest
+from ..staging import uniform_block
+from ..transports.base import Transport, TransportError
+from .config import PROTOCOL_VERSION, ConnectorConfig
+from .consumer import ConsumerSide
+from .ledger import ConnectorStats, RequestLedger
+from .producer import ProducerSide
+
+log = logging.getLogger(__name__)
+
+
+class LayerwiseConnector:
+    """Layer-wise KV transfer between a producer (prefill) and consumers (decode).
+
+    Producer: ``register_kv_caches`` -> ``add_peer(consumer.peer_info())`` -> per step
+    ``start_step(requests)``, model forward calling ``save_kv_layer(i, cache_i)`` after
+    each layer's KV write (or ``attach``), ``wait_for_save()``, ``get_finished()``.
+    A request's source blocks must stay allocated until it is reported finished or
+    failed. Consumer: ``register_kv_caches`` -> share ``peer_info()`` -> optionally
+    ``expect(req_id)`` -> poll ``get_finished()``.
+    """
+
+    def __init__(self, role: str, transport: Transport, config: Optional[ConnectorConfig] = None,
+                 *, control_host: Optional[str] = None) -> None:
+        if role not in ("producer", "consumer"):
+            raise ValueError(f"role must be 'producer' or 'consumer', got {role!r}")
+        self.role = role
+        self.transport = transport
+        self.config = config or ConnectorConfig()
+        self.engine_id = uuid.uuid4().hex[:12]
+        self._control_host = control_host or transport.address().rsplit(":", 1)[0]
+        self._caches: List[torch.Tensor] = []
+        self._layout: Optional[KVLayout] = None
+        self._registered: List[int] = []
+        self._stats: Optional[ConnectorStats] = None
+        self._ledger: Optional[RequestLedger] = None
+        self._side: Union[ProducerSide, ConsumerSide, None] = None
+        self._hooks: list = []
+        self._closed = False
+
+    # ------------------------------------------------------------------ set-up
+
+    def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        """Register one cache tensor per layer (dim 0 = block) with the transport."""
+        if self._layout is not None:
+            raise RuntimeError("register_kv_caches was already called")
+        devices = {c.device for c in kv_caches}
+        if len(devices) != 1:
+            raise ValueError(f"all KV caches must be on one device, got {sorted(map(str, devices))}")
+        device = next(iter(devices))
+        if not self.transport.supports_device(device.type):
+            raise ValueError(f"transport {self.transport.name!r} cannot move {device.type} memory "
+                             "(for CUDA caches install the CUDA build of Mooncake, "
+                             "mooncake-transfer-engine)")
+        self._layout = KVLayout.of(kv_caches)
+        self._caches = list(kv_caches)
+        self._stats = ConnectorStats(len(self._caches))
+        self._ledger = RequestLedger(self._stats)
+        for layer in self._layout.layers:
+            base, length = layer.span()
+            self.transport.register(base, length)
+            self._registered.append(base)
+        if self.role == "producer":
+            self._side = ProducerSide(self.engine_id, self._caches, self._layout, self.transport,
+                                      self.config, self._ledger, self._stats, self._can_stage())
+        else:
+            self._side = ConsumerSide(self._caches, self.transport, self.config, self._ledger,
+                                      self._stats, self._control_host, self._can_stage())
+        log.info("%s %s registered %d KV layers", self.role, self.engine_id, len(self._caches))
+
+    def _can_stage(self) -> bool:
+        """Staging gathers on the host: CPU caches with one block shape and dtype.
+        (A device-side gather would need its own stream and event.)"""
+        return (self.config.staging_threshold_bytes > 0 and self._caches[0].device.type == "cpu"
+                and uniform_block(self._caches) is not None)
+
+    def peer_info(self) -> dict:
+        """Consumer: JSON-serializable description (addresses and cache layout)."""
+        self._require("consumer", registered=True)
+        return {"version": PROTOCOL_VERSION, "engine_id": self.engine_id,
+                "transport": self.transport.name, "data_address": self.transport.address(),
+                "control_address": self._side.control_address, "layout": self._layout.to_json()}
+
+    def add_peer(self, info: dict) -> str:
+        """Producer: validate a consumer's layout against ours, connect its control
+        channel, and return its peer id (the same id again for a known live peer)."""
+        self._require("producer", registered=True)
+        return self._side.add_peer(info)
+
+    def attach(self, model: torch.nn.Module, layers: Sequence[torch.nn.Module]) -> list:
+        """Call ``save_kv_layer(i, cache_i)`` after ``layers[i]``'s forward (forward
+        hooks), for model code that should not be edited. Returns the hook handles."""
+        self._require("producer", registered=True)
+        if len(layers) != len(self._caches):
+            raise ValueError(f"{len(layers)} layers given for {len(self._caches)} KV caches")
+        for i, module in enumerate(layers):
+            self._hooks.append(module.register_forward_hook(self._make_hook(i)))
+        return list(self._hooks)
+
+    def _make_hook(self, layer: int):
+        def hook(module, args, output):
+            self.save_kv_layer(layer, self._caches[layer])
+        return hook
+
+    # ------------------------------------------------------------------ producer step
+
+    def start_step(self, requests: Iterable[TransferRequest]) -> None:
+        """Validate this step's requests (``ValueError``, nothing sent) and hand the
+        plan to the sender. Requests to a peer already given up on fail at once."""
+        self._require("producer", registered=True)
+        self._side.start_step(requests)
+
+    def save_kv_layer(self, layer: int, kv_cache: torch.Tensor) -> None:
+        """Model hook: call right after layer ``layer``'s KV write. Only issues two ops
+        with constant arguments, so it traces into torch.compile(fullgraph=True) and is
+        captured with the model in a CUDA graph."""
+        self._side.save_kv_layer(layer, kv_cache)
+
+    def wait_for_save(self, timeout: Optional[float] = None) -> None:
+        """Block until every layer of the current step was sent or failed."""
+        self._require("producer", registered=True)
+        self._side.wait_for_save(timeout)
+
+    # ------------------------------------------------------------------ consumer
+
+    def expect(self, req_id: str, lease_s: Optional[float] = None) -> None:
+        """Consumer: start the lease of a request the engine waits for, so it is
+        reported failed if its producer never delivers (even if it never started)."""
+        self._require("consumer", registered=True)
+        self._side.expect(req_id, lease_s)
+
+    # ------------------------------------------------------------------ both roles
+
+    def get_finished(self) -> Tuple[Set[str], Set[str]]:
+        """(finished, failed) request ids since the last call; each id is reported once.
+        Producer: finished means every byte was sent and acknowledged as landed, so the
+        source blocks may be freed. Consumer: every layer of every chunk has landed."""
+        if isinstance(self._side, ConsumerSide):
+            self._side.check()
+        if self._ledger is None:
+            return set(), set()
+        return self._ledger.drain()
+
+    def last_step_trace(self) -> List[dict]:
+        """Per layer of the last step: when the sender took the push (``pushed``), when
+        the layer's event was complete (``event_ready``) and when its writes returned,
+        i.e. its bytes landed (``landed``); ``time.perf_counter()`` seconds."""
+        return self._side.last_step_trace() if isinstance(self._side, ProducerSide) else []
+
+    def stats(self) -> dict:
+        """Counters (bytes, layers, requests finished/failed, retries, errors) and
+        per-layer mean wait-for-event and transfer times (producer)."""
+        if self._stats is None:
+            return {}
+        out = self._stats.snapshot()
+        out["role"] = self.role
+        with self._ledger.lock:
+            out["in_flight"] = len(self._ledger.in_flight)
+            if isinstance(self._side, ConsumerSide):
+                out["in_flight"] += self._side.in_flight
+        return out
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop threads, report unfinished requests failed, unregister memory. Raises
+        if a thread did not stop within ``timeout`` (after releasing everything else)."""
+        if self._closed:
+            return
+        self._closed = True
+        problems: List[str] = []
+        try:
+            for handle in self._hooks:
+                handle.remove()
+            if self._side is not None:
+                problems += self._side.close(timeout)
+        finally:
+            if self._ledger is not None:
+                self._ledger.release_delayed()
+            # Every release is attempted even if one fails (e.g. a region still read by
+            # a timed-out write); the failures are raised together below.
+            for base in self._registered:
+                try:
+                    self.transport.unregister(base)
+                except (TransportError, OSError) as exc:
+                    problems.append(f"release failed: {exc}")
+            self._registered.clear()
+        if problems:
+            raise RuntimeError("; ".join(problems))
+
+    def __enter__(self) -> "LayerwiseConnector":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _require(self, role: str, registered: bool = False) -> None:
+        if self.role != role:
+            raise RuntimeError(f"this call is for the {role} role; this connector is a {self.role}")
+        if registered and self._layout is None:
+            raise RuntimeError("call register_kv_caches first")
+        if self._closed:
+            raise RuntimeError("the connector is closed")

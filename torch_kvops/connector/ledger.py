@@ -1,0 +1,104 @@
+"""Request outcomes, reported once each, and the connector's counters.
+
+Both roles report through a :class:`RequestLedger`: an id is queued for
+``get_finished`` at most once, and remembered afterwards so that late notices,
+late chunks or a reused id cannot report it again.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from typing import Dict, List, Set, Tuple
+
+import numpy as np
+
+# Reported ids remembered to refuse late notices; old ones are forgotten first.
+_REMEMBERED_IDS = 100_000
+
+
+class ConnectorStats:
+    """Counters and per-layer mean wait-for-event / transfer times."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.lock = threading.Lock()
+        self.counters = dict(bytes_sent=0, layers_sent=0, steps=0, requests_finished=0,
+                             requests_failed=0, retries=0, transport_errors=0, orphan_pushes=0,
+                             staged_writes=0)
+        self.wait_s = np.zeros(num_layers)
+        self.transfer_s = np.zeros(num_layers)
+        self.samples = np.zeros(num_layers, dtype=np.int64)
+
+    def add(self, **deltas: int) -> None:
+        with self.lock:
+            for key, value in deltas.items():
+                self.counters[key] = self.counters.get(key, 0) + value
+
+    def layer(self, layer: int, wait_s: float, transfer_s: float) -> None:
+        with self.lock:
+            self.wait_s[layer] += wait_s
+            self.transfer_s[layer] += transfer_s
+            self.samples[layer] += 1
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            n = np.maximum(self.samples, 1)
+            out = dict(self.counters)
+            out["layer_wait_s_mean"] = (self.wait_s / n).tolist()
+            out["layer_transfer_s_mean"] = (self.transfer_s / n).tolist()
+            out["layer_samples"] = self.samples.tolist()
+            return out
+
+
+class RequestLedger:
+    """In-flight requests and their outcomes. ``lock`` also guards the role's own
+    request tables, so that "in flight" and "reported" change together."""
+
+    def __init__(self, stats: ConnectorStats) -> None:
+        self.lock = threading.Lock()
+        self.in_flight: Dict[str, str] = {}  # producer: req_id -> peer id
+        self._stats = stats
+        self._finished: Set[str] = set()
+        self._failed: Set[str] = set()
+        self._delayed: List[Tuple[float, str, bool]] = []  # (due, req_id, ok): quarantined
+        self._reported: "OrderedDict[str, None]" = OrderedDict()
+
+    def report(self, req_id: str, ok: bool, delay: float = 0.0) -> None:
+        """Producer: end an in-flight request (no-op if it already ended). With a
+        ``delay`` the outcome is held back that long (a failed write may still land)."""
+        with self.lock:
+            if self.in_flight.pop(req_id, None) is None:
+                return
+            if delay > 0:
+                self._delayed.append((time.monotonic() + delay, req_id, ok))
+            else:
+                self.record_locked(req_id, ok)
+
+    def record_locked(self, req_id: str, ok: bool) -> None:
+        """Under ``lock``: queue the id for :meth:`drain`, remember it was reported."""
+        (self._finished if ok else self._failed).add(req_id)
+        self._reported[req_id] = None
+        if len(self._reported) > _REMEMBERED_IDS:
+            self._reported.popitem(last=False)
+        self._stats.add(**{"requests_finished" if ok else "requests_failed": 1})
+
+    def was_reported_locked(self, req_id: str) -> bool:
+        return req_id in self._reported
+
+    def drain(self) -> Tuple[Set[str], Set[str]]:
+        """(finished, failed) since the last call, including quarantined outcomes now due."""
+        now = time.monotonic()
+        with self.lock:
+            for _, req_id, ok in [d for d in self._delayed if d[0] <= now]:
+                self.record_locked(req_id, ok)
+            self._delayed = [d for d in self._delayed if d[0] > now]
+            finished, failed = self._finished, self._failed
+            self._finished, self._failed = set(), set()
+        return finished, failed
+
+    def release_delayed(self) -> None:
+        """On close: report quarantined outcomes now (nobody will wait for them)."""
+        with self.lock:
+            for _, req_id, ok in self._delayed:
+                self.record_locked(req_id, ok)
+            self._delayed.clear()

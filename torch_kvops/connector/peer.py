@@ -1,0 +1,159 @@
+"""The producer's link to one consumer: its control channel, bounded writes with
+retries, and the staging of fragmented layers through the consumer's granted slots."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, List, Optional
+
+import numpy as np
+
+from ..control import ControlClient
+from ..plan import KVLayout
+from ..staging import ProducerStaging
+from ..transports.base import Transport, TransportError
+from .config import ConnectorConfig
+from .ledger import ConnectorStats
+
+log = logging.getLogger(__name__)
+
+
+class PeerFailed(Exception):
+    """This step cannot use the peer any more; ``str(exc)`` is the reason."""
+
+
+class PeerLink:
+    """One consumer as seen by the producer's sender thread. ``dead`` holds the reason
+    once the peer is given up on; later steps fail its requests without writing."""
+
+    def __init__(self, peer_id: str, layout: KVLayout, data_address: str, control: ControlClient,
+                 transport: Transport, config: ConnectorConfig, stats: ConnectorStats,
+                 stop: threading.Event) -> None:
+        self.peer_id = peer_id
+        self.layout = layout
+        self.data_address = data_address
+        self.control = control
+        self.staging: Optional[ProducerStaging] = None
+        self.dead: Optional[str] = None
+        self._transport = transport
+        self._config = config
+        self._stats = stats
+        self._stop = stop
+
+    # ------------------------------------------------------------------ control channel
+
+    def give_up(self, reason: str) -> PeerFailed:
+        """Mark the peer dead; returns the exception for the caller to raise."""
+        log.error("giving up on peer %s: %s", self.peer_id, reason)
+        self.dead = reason
+        return PeerFailed(reason)
+
+    def send(self, message: dict) -> None:
+        """Send a control message; a broken channel makes the peer dead."""
+        try:
+            self.control.send(message)
+        except ConnectionError as exc:
+            self.dead = self.dead or f"control channel failed: {exc}"
+            raise PeerFailed(self.dead) from exc
+
+    def begin(self, req_ids: List[str]) -> set:
+        """Announce a step's requests; the consumer answers with those it no longer
+        accepts (already reported failed, e.g. its lease expired)."""
+        self.send({"op": "begin", "reqs": req_ids})
+        answer = self._receive_until(lambda m: m.get("op") == "begun")
+        if answer is None:
+            raise PeerFailed(self.dead or "no answer to begin within the transfer timeout")
+        return set(answer.get("rejected", []))
+
+    def _receive_until(self, done: Callable[[dict], bool]) -> Optional[dict]:
+        """Read the peer's messages (staging acks are handled on the way) until
+        ``done(message)``; None on timeout, close, or a broken channel."""
+        deadline = time.monotonic() + self._config.transfer_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._stop.is_set():
+                return None
+            try:
+                message = self.control.receive(min(remaining, 0.1))
+            except ConnectionError as exc:
+                self.dead = self.dead or f"control channel failed: {exc}"
+                return None
+            if message is None:
+                continue
+            if message.get("op") == "ack" and self.staging is not None:
+                self.staging.busy[int(message["slot"])] = False
+            if done(message):
+                return message
+
+    # ------------------------------------------------------------------ data
+
+    def write_layer(self, layer: int, src_blocks: np.ndarray, dst_blocks: np.ndarray,
+                    src, dst, lengths) -> int:
+        """Move one layer's blocks: staged when fragmented and the peer granted slots,
+        else the merged descriptors directly. Returns the number of retries made."""
+        if self.control.peer_closed():
+            raise self.give_up("peer closed its control channel (process gone?)")
+        fragmented = lengths.size > 1 and lengths.mean() < self._config.staging_threshold_bytes
+        if self.staging is not None and fragmented:
+            return self._write_staged(layer, src_blocks, dst_blocks)
+        retries = self._write(layer, src, dst, lengths)  # numpy: no list round trip
+        self._stats.add(bytes_sent=int(lengths.sum()))
+        return retries
+
+    def _write(self, layer: int, src, dst, lengths) -> int:
+        attempt = 0
+        while True:
+            try:
+                self._transport.write(self.data_address, src, dst, lengths,
+                                      timeout_s=self._config.transfer_timeout_s)
+                return attempt
+            except TransportError as exc:
+                self._stats.add(transport_errors=1)
+                if not exc.transient or attempt >= self._config.max_retries or self._stop.is_set():
+                    raise self.give_up(f"layer {layer} write failed: {exc}") from exc
+                attempt += 1
+                self._stats.add(retries=1)
+                log.warning("retrying layer %d to %s (attempt %d): %s", layer, self.peer_id, attempt, exc)
+                time.sleep(self._config.retry_backoff_s * (2 ** (attempt - 1)))
+
+    def _write_staged(self, layer: int, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> int:
+        """Slot by slot: gather, write, scatter notice. The gather of the next slot runs
+        while the current one is on the wire (both release the GIL)."""
+        staging = self.staging
+        per_slot = staging.grant.slot_blocks
+        starts = list(range(0, src_blocks.size, per_slot))
+        retries = 0
+        slot = self._claim_slot()
+        pending = staging.gather_async(layer, slot, src_blocks[:per_slot])
+        try:
+            for i, start in enumerate(starts):
+                desc, pending = pending.result(), None
+                following = None
+                if i + 1 < len(starts):
+                    following = self._claim_slot()
+                    nxt = starts[i + 1]
+                    pending = staging.gather_async(layer, following, src_blocks[nxt:nxt + per_slot])
+                retries += self._write(layer, [desc[0]], [desc[1]], [desc[2]])
+                self._stats.add(bytes_sent=desc[2], staged_writes=1)
+                staging.busy[slot] = True
+                self.send({"op": "scatter", "layer": layer, "slot": slot,
+                           "dst": dst_blocks[start:start + per_slot].tolist()})
+                slot = following
+        finally:
+            if pending is not None:
+                pending.result()  # never leave a copy running into a buffer about to be released
+        return retries
+
+    def _claim_slot(self) -> int:
+        """The next staging slot, once the peer has released it (ack)."""
+        slot = self.staging.next_slot()
+        if self.staging.busy[slot] and self._receive_until(lambda m: not self.staging.busy[slot]) is None:
+            raise self.give_up(f"staging slot {slot} was not released in time")
+        return slot
+
+    def close(self) -> None:
+        self.control.close()
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
