@@ -29,6 +29,9 @@ if [ "${KVOPS_WHEEL_KEEP:-0}" != "1" ]; then
 fi
 
 log "building the wheel"
+# setuptools builds in build/ (the compiled objects there are reused), but files left in
+# build/lib* by an earlier build would go into the wheel even if the tree no longer has them.
+rm -rf build/lib.*
 MAX_JOBS="${MAX_JOBS:-2}" "$PY" -m pip wheel . --no-build-isolation --no-deps -q -w "$WORK/dist"
 WHEEL=$(ls "$WORK"/dist/torch_kvops-*.whl)
 log "built $(basename "$WHEEL") ($(du -k "$WHEEL" | cut -f1) KiB)"

@@ -1,20 +1,32 @@
 """Side channel for step notices between a producer and a consumer.
 
 Data moves one-sided through the transport; this channel carries the notices about it:
-``hello``/``welcome`` (staging grant), ``begin`` (answered: requests the consumer no
-longer accepts), ``scatter``/``ack`` (staging slots), ``chunk`` (a chunk of a request
-landed; ``last`` on its final chunk) and ``failed``. A notice about data is sent
-strictly after the transport write it describes returned, and one connection keeps
-notices in order, so the consumer never hears "done" before the bytes are there.
+``hello``/``challenge``/``auth``/``welcome`` (mutual authentication, staging grant),
+``begin`` (answered: requests the consumer no longer accepts), ``scatter``/``ack``
+(staging slots), ``chunk`` (a chunk of a request landed; ``last`` on its final chunk)
+and ``failed``. A notice about data is sent strictly after the transport write it
+describes returned, and one connection keeps notices in order, so the consumer never
+hears "done" before the bytes are there.
 
-Messages are newline-delimited JSON. Every socket call has a timeout. A broken
+Trust: each consumer has a random secret that travels only inside its ``peer_info``
+(which the engine hands to the producer over its own channel). A connection proves it
+knows the secret before anything else it sends is read, and the consumer proves it
+too (challenge-response with HMAC-SHA256 over fresh random nonces from both sides, see
+:func:`proof`). The secret itself never crosses this channel and is never logged.
+
+Messages are newline-delimited JSON with a size bound; a line over the bound, bad
+JSON, a message that is not an object, or anything but the handshake before it
+completes drops only that connection. Every socket call has a timeout. A broken
 connection is a failed peer, never silently reconnected: notices (and staging acks)
 sent on the old connection could otherwise be lost without anyone noticing.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
+import secrets
 import selectors
 import socket
 import threading
@@ -23,30 +35,92 @@ from typing import Callable, Dict, Optional
 
 log = logging.getLogger(__name__)
 
+# Before authentication a peer may send two short messages; anything longer is not ours.
+MAX_HANDSHAKE_LINE = 4 << 10
+# After it, the longest legitimate line is a scatter or begin notice listing block ids.
+DEFAULT_MAX_LINE = 16 << 20
+# Connections that have not authenticated yet, at once; more are closed on accept.
+MAX_PENDING_HANDSHAKES = 64
+_NONCE_BYTES = 32
+
+
+def new_secret() -> str:
+    """A fresh consumer secret (256 random bits, hex)."""
+    return secrets.token_hex(32)
+
+
+def proof(secret: str, role: str, own_nonce: str, other_nonce: str, producer: str) -> str:
+    """HMAC-SHA256 that ``role`` ("consumer" or "producer") knows ``secret``.
+
+    The role is part of the message, so a consumer's answer can never be replayed as a
+    producer's (reflection), and both nonces are, so an answer recorded on one
+    connection is worthless on the next. The producer id is bound too: the id a
+    session claims is the id that proved itself."""
+    message = "\n".join(("kvops-control-v2", role, own_nonce, other_nonce, producer)).encode()
+    return hmac.new(bytes.fromhex(secret), message, hashlib.sha256).hexdigest()
+
+
+def _check_secret(secret: str) -> str:
+    try:
+        raw = bytes.fromhex(secret)
+    except (TypeError, ValueError) as exc:
+        raise ValueError("the control secret must be a hex string (new_secret())") from exc
+    if len(raw) < 16:
+        raise ValueError("the control secret must hold at least 128 random bits")
+    return secret
+
+
+class ProtocolError(ValueError):
+    """A peer broke the control protocol; only its connection is dropped."""
+
 
 class Session:
-    """One producer connection on the consumer side."""
+    """One producer connection on the consumer side. ``producer`` is the id the peer
+    proved itself as; it is None until the handshake completed."""
 
     def __init__(self, server: "ControlServer", conn: socket.socket) -> None:
         self._server, self._conn = server, conn
         self.buffer = bytearray()
-        self.producer: Optional[str] = None  # set by the hello handler
+        self.producer: Optional[str] = None
+        self.staging = False  # the producer asked for a staging grant
+        self._nonce: Optional[str] = None  # ours, once the challenge is sent
+        self._their_nonce = ""
+        self._claimed: Optional[str] = None  # the id given in hello, not yet proven
+        self.deadline = time.monotonic() + server.handshake_timeout_s
+
+    @property
+    def authenticated(self) -> bool:
+        return self.producer is not None
 
     def reply(self, message: dict) -> None:
         self._server._send(self._conn, message)
 
 
 class ControlServer:
-    """Consumer side: a thread that accepts producers and hands each message to
-    ``on_message(message, session)``; ``on_close(session)`` runs when a connection
-    ends; ``on_tick`` runs every ``tick_s`` (lease expiry). A message whose handler
-    raises drops only its own connection (the producer then fails its requests)."""
+    """Consumer side: a thread that accepts producers, authenticates them, and hands
+    each later message to ``on_message(message, session)``; the first one is a
+    ``hello`` (``{"op": "hello", "producer": id, "staging": bool}``) that the handler
+    answers with ``welcome``. ``on_close(session)`` runs when an authenticated
+    connection ends; ``on_tick`` runs every ``tick_s`` (lease expiry). A message whose
+    handler raises drops only its own connection (the producer then fails its requests).
+
+    ``counters`` (read with :meth:`counters_snapshot`) count connections refused by the
+    handshake and connections dropped for a bad message."""
 
     def __init__(self, host: str, on_message: Callable[[dict, Session], None],
-                 on_close: Callable[[Session], None], on_tick: Callable[[], None],
-                 tick_s: float = 0.05, send_timeout_s: float = 5.0) -> None:
+                 on_close: Callable[[Session], None], on_tick: Callable[[], None], *,
+                 secret: str, tick_s: float = 0.05, send_timeout_s: float = 5.0,
+                 handshake_timeout_s: Optional[float] = None,
+                 max_line_bytes: int = DEFAULT_MAX_LINE) -> None:
         self._on_message, self._on_close, self._on_tick = on_message, on_close, on_tick
+        self._secret = _check_secret(secret)
         self._tick_s, self._send_timeout_s = tick_s, send_timeout_s
+        self.handshake_timeout_s = send_timeout_s if handshake_timeout_s is None else handshake_timeout_s
+        if max_line_bytes < MAX_HANDSHAKE_LINE:
+            raise ValueError(f"max_line_bytes must be at least {MAX_HANDSHAKE_LINE}")
+        self._max_line = int(max_line_bytes)
+        self._counter_lock = threading.Lock()
+        self.counters = dict(control_auth_failed=0, control_dropped=0, control_refused_busy=0)
         self._listener = socket.create_server((host, 0))
         self._listener.setblocking(False)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
@@ -58,6 +132,14 @@ class ControlServer:
         self._thread = threading.Thread(target=self._run, name="kvops-control-server", daemon=True)
         self._thread.start()
 
+    def _count(self, name: str) -> None:
+        with self._counter_lock:
+            self.counters[name] += 1
+
+    def counters_snapshot(self) -> Dict[str, int]:
+        with self._counter_lock:
+            return dict(self.counters)
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
@@ -66,6 +148,7 @@ class ControlServer:
                         self._accept()
                     else:
                         self._read(key.fileobj)
+                self._expire_handshakes()
                 self._on_tick()
         except BaseException as exc:  # surfaced by check(); the thread must not die silently
             log.exception("control server failed")
@@ -73,12 +156,27 @@ class ControlServer:
 
     def _accept(self) -> None:
         try:
-            conn, _ = self._listener.accept()
+            conn, peer = self._listener.accept()
         except BlockingIOError:
+            return
+        pending = sum(1 for s in self._sessions.values() if not s.authenticated)
+        if pending >= MAX_PENDING_HANDSHAKES:
+            log.warning("refusing control connection from %s: %d handshakes pending", peer, pending)
+            self._count("control_refused_busy")
+            conn.close()
             return
         conn.setblocking(False)
         self._sessions[conn] = Session(self, conn)
         self._selector.register(conn, selectors.EVENT_READ, None)
+
+    def _expire_handshakes(self) -> None:
+        now = time.monotonic()
+        late = [c for c, s in self._sessions.items() if not s.authenticated and s.deadline < now]
+        for conn in late:
+            log.warning("control connection did not authenticate within %.1f s: closing",
+                        self.handshake_timeout_s)
+            self._count("control_auth_failed")
+            self._drop(conn)
 
     def _read(self, conn: socket.socket) -> None:
         try:
@@ -92,17 +190,62 @@ class ControlServer:
             return
         session = self._sessions[conn]
         session.buffer += data
+        limit = self._max_line if session.authenticated else MAX_HANDSHAKE_LINE
         while conn in self._sessions:
             end = session.buffer.find(b"\n")
             if end < 0:
+                if len(session.buffer) > limit:
+                    self._reject(conn, session, f"a line longer than {limit} bytes")
+                break
+            if end > limit:
+                self._reject(conn, session, f"a line longer than {limit} bytes")
                 break
             line = bytes(session.buffer[:end])
             del session.buffer[:end + 1]
             try:
-                self._on_message(json.loads(line), session)
-            except Exception:
-                log.exception("bad control message %r: dropping the connection", line[:200])
-                self._drop(conn)
+                message = json.loads(line)
+                if not isinstance(message, dict):
+                    raise ProtocolError(f"a control message must be a JSON object, got {type(message).__name__}")
+                if session.authenticated:
+                    self._on_message(message, session)
+                else:
+                    self._handshake(message, session)
+            except Exception as exc:
+                log.warning("bad control message %r: dropping the connection (%s: %s)",
+                            line[:200], type(exc).__name__, exc)
+                self._reject(conn, session, None)
+
+    def _reject(self, conn: socket.socket, session: Session, reason: Optional[str]) -> None:
+        if reason:
+            log.warning("dropping control connection (producer %s): %s", session.producer, reason)
+        self._count("control_dropped" if session.authenticated else "control_auth_failed")
+        self._drop(conn)
+
+    def _handshake(self, message: dict, session: Session) -> None:
+        """hello -> challenge (our nonce and our proof) -> auth (theirs) -> on_message(hello)."""
+        op = message.get("op")
+        if op == "hello" and session._nonce is None:
+            claimed, their_nonce = message.get("producer"), message.get("nonce")
+            if not isinstance(claimed, str) or not claimed or len(claimed) > 128:
+                raise ProtocolError("hello: bad producer id")
+            if not isinstance(their_nonce, str) or len(their_nonce) != 2 * _NONCE_BYTES:
+                raise ProtocolError("hello: bad nonce")
+            session._claimed, session.staging = claimed, bool(message.get("staging"))
+            session._nonce = secrets.token_hex(_NONCE_BYTES)
+            session._their_nonce = their_nonce
+            session.reply({"op": "challenge", "nonce": session._nonce,
+                           "proof": proof(self._secret, "consumer", session._nonce, their_nonce, claimed)})
+        elif op == "auth" and session._nonce is not None:
+            expected = proof(self._secret, "producer", session._their_nonce, session._nonce, session._claimed)
+            if not hmac.compare_digest(expected, str(message.get("proof", ""))):
+                raise ProtocolError("auth: wrong proof (the producer does not know this consumer's secret)")
+            if any(s.producer == session._claimed for s in self._sessions.values()):
+                raise ProtocolError(f"producer {session._claimed} is already connected")
+            session.producer = session._claimed
+            self._on_message({"op": "hello", "producer": session.producer, "staging": session.staging},
+                             session)
+        else:
+            raise ProtocolError(f"{op!r} before the handshake completed")
 
     def _send(self, conn: socket.socket, message: dict) -> None:
         if conn not in self._sessions:
@@ -123,7 +266,9 @@ class ControlServer:
         self._selector.unregister(conn)
         conn.close()
         if session is not None:
-            self._on_close(session)
+            session.buffer = bytearray()
+            if session.authenticated:
+                self._on_close(session)
 
     def check(self) -> None:
         """Re-raise an error that stopped the server thread."""
@@ -146,12 +291,15 @@ class ControlClient:
     """Producer side: one connection to a consumer's control server."""
 
     def __init__(self, address: str, *, timeout_s: float = 5.0, retries: int = 3,
-                 backoff_s: float = 0.05) -> None:
-        host, port = address.rsplit(":", 1)
+                 backoff_s: float = 0.05, max_line_bytes: int = DEFAULT_MAX_LINE) -> None:
+        host, sep, port = str(address).rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"control address {address!r} is not 'host:port'")
         self._target = (host, int(port))
         self._timeout_s = timeout_s
         self._retries = retries
         self._backoff_s = backoff_s
+        self._max_line = int(max_line_bytes)
         self._sock: Optional[socket.socket] = None
         self._inbox = bytearray()
         self._lock = threading.Lock()
@@ -171,6 +319,34 @@ class ControlClient:
         raise ConnectionError(f"cannot connect to {self._target[0]}:{self._target[1]} after "
                               f"{self._retries + 1} attempts: {last}") from last
 
+    def handshake(self, secret: str, producer: str, staging: bool) -> dict:
+        """Prove that we know the consumer's ``secret`` and check that the consumer
+        does (mutual). Returns the ``welcome`` message; ``ConnectionError`` (and the
+        connection closed) if the consumer fails to prove itself or refuses us."""
+        _check_secret(secret)
+        try:
+            nonce = secrets.token_hex(_NONCE_BYTES)
+            self.send({"op": "hello", "producer": producer, "nonce": nonce, "staging": bool(staging)})
+            challenge = self.receive(self._timeout_s)
+            if challenge is None or challenge.get("op") != "challenge":
+                raise ConnectionError("the consumer did not answer hello")
+            their_nonce = str(challenge.get("nonce", ""))
+            expected = proof(secret, "consumer", their_nonce, nonce, producer)
+            if len(their_nonce) != 2 * _NONCE_BYTES or not hmac.compare_digest(
+                    expected, str(challenge.get("proof", ""))):
+                raise ConnectionError("the consumer could not prove it knows the secret in its "
+                                      "peer_info: not the consumer that peer_info describes")
+            self.send({"op": "auth", "proof": proof(secret, "producer", nonce, their_nonce, producer)})
+            welcome = self.receive(self._timeout_s)
+            if welcome is None or welcome.get("op") != "welcome":
+                raise ConnectionError("the consumer refused the handshake (wrong secret in peer_info, "
+                                      "or this producer id is connected already)")
+            return welcome
+        except (ConnectionError, ValueError) as exc:
+            self.close()
+            raise ConnectionError(f"control handshake with {self._target[0]}:{self._target[1]} "
+                                  f"failed: {exc}") from exc
+
     def send(self, message: dict) -> None:
         """Send one message; ``ConnectionError`` if the connection is broken."""
         payload = (json.dumps(message) + "\n").encode()
@@ -186,12 +362,15 @@ class ControlClient:
 
     def receive(self, timeout_s: float) -> Optional[dict]:
         """Next message from the peer, or None after ``timeout_s``; ConnectionError if
-        the peer closed the connection."""
+        the peer closed the connection or broke the protocol (over-long line, bad JSON)."""
         with self._lock:
             if self._sock is None:
                 raise ConnectionError("control channel is closed")
             deadline = time.monotonic() + timeout_s
             while b"\n" not in self._inbox:
+                if len(self._inbox) > self._max_line:
+                    self._close_locked()
+                    raise ConnectionError(f"the peer sent a line longer than {self._max_line} bytes")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
@@ -213,7 +392,15 @@ class ControlClient:
             end = self._inbox.index(b"\n")
             line = bytes(self._inbox[:end])
             del self._inbox[:end + 1]
-        return json.loads(line)
+            try:
+                message = json.loads(line)
+            except ValueError as exc:
+                self._close_locked()
+                raise ConnectionError(f"the peer sent a malformed control message: {exc}") from exc
+            if not isinstance(message, dict):
+                self._close_locked()
+                raise ConnectionError("the peer sent a control message that is not a JSON object")
+        return message
 
     def peer_closed(self) -> bool:
         """True when the consumer closed the connection (for example it died): lets the

@@ -4,18 +4,25 @@ Bytes arrive one-sided through the transport (into the KV caches, or into a stag
 slot that is scattered on the producer's notice). The control server thread hears
 the producer's notices and reports a request finished once the notice for its last
 chunk arrives (notices are sent only after the bytes landed), or failed on a failure
-notice or when its lease expires.
+notice, when its lease expires, or when the connection of the producer that began it
+ends.
+
+Trust: only producers that proved they know this consumer's secret get past the
+control server's handshake (control.py). Among those, a request belongs to the session
+that began it: ``chunk``/``failed`` for it from any other session, a ``begin`` for it
+from another session, and a ``scatter`` into blocks that no request of the session
+covers are ignored and counted (``control_not_owner``, ``scatter_refused``).
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Set
 
 import torch
 
-from ..control import ControlServer, Session
+from ..control import ControlServer, Session, new_secret
 from ..staging import ConsumerStaging
 from ..transports.base import Transport
 from .config import ConnectorConfig
@@ -27,6 +34,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Incoming:
     deadline: float
+    owner: Optional[Session] = None  # the session whose begin claimed it
+    blocks: Set[int] = field(default_factory=set)  # destination blocks named by its begins
     chunks: int = 0
     bytes: int = 0
 
@@ -41,16 +50,30 @@ class ConsumerSide:
         self._ledger = ledger
         self._stats = stats
         self._incoming: Dict[str, _Incoming] = {}
+        # Per session: destination block -> the owned in-flight request naming it.
+        self._owned_blocks: Dict[Session, Dict[int, str]] = {}
+        self._num_blocks = min(c.size(0) for c in caches)
         self._staging: Optional[ConsumerStaging] = None
         if can_stage:
             self._staging = ConsumerStaging(caches, transport, config.staging_slot_bytes,
                                             config.staging_slots)
+        # Shared with producers only through peer_info(); never logged.
+        self._secret = new_secret()
         self._server = ControlServer(control_host, self._on_control, self._on_producer_gone,
-                                     self._expire_leases, send_timeout_s=config.control_timeout_s)
+                                     self._expire_leases, secret=self._secret,
+                                     send_timeout_s=config.control_timeout_s)
 
     @property
     def control_address(self) -> str:
         return self._server.address
+
+    @property
+    def secret(self) -> str:
+        return self._secret
+
+    def counters(self) -> Dict[str, int]:
+        """The control server's counters (handshakes refused, connections dropped)."""
+        return self._server.counters_snapshot()
 
     @property
     def in_flight(self) -> int:
@@ -68,47 +91,86 @@ class ConsumerSide:
     # ------------------------------------------------------------------ control server thread
 
     def _on_control(self, message: dict, session: Session) -> None:
-        """A handler that raises drops only this producer's connection (ControlServer),
-        after which the producer fails its requests."""
+        """Messages of authenticated sessions (ControlServer ran the handshake). A
+        handler that raises drops only this producer's connection, after which the
+        producer fails its requests."""
         op = message.get("op")
         if op == "hello":
-            session.producer = str(message["producer"])
             log.info("producer %s connected", session.producer)
             grant = self._staging.grant(session.producer) if self._staging and message.get("staging") else None
             session.reply({"op": "welcome", "staging": grant.to_json() if grant else None})
         elif op == "begin":
-            session.reply({"op": "begun", "rejected": self._begin_requests(message["reqs"])})
+            session.reply({"op": "begun", "rejected": self._begin_requests(message, session)})
         elif op == "scatter":
-            if self._staging is None or session.producer is None:
+            if self._staging is None or not session.staging:
                 raise ValueError("scatter without a staging grant")
-            self._staging.scatter(session.producer, int(message["layer"]), int(message["slot"]),
-                                  message["dst"])
-            session.reply({"op": "ack", "slot": int(message["slot"])})
+            layer, slot, dst = int(message["layer"]), int(message["slot"]), _block_list(message["dst"])
+            if self._owns_blocks(session, dst):
+                self._staging.scatter(session.producer, layer, slot, dst)
+                session.reply({"op": "ack", "slot": slot})
+            else:
+                # Blocks of no request this session has in flight (its lease expired and
+                # the engine may have reused them, or another producer's): never move
+                # bytes there. The ack frees the slot; the request is not finished here.
+                self._stats.add(scatter_refused=1)
+                log.warning("producer %s: scatter into blocks of no request it has in flight: "
+                            "refused", session.producer)
+                session.reply({"op": "ack", "slot": slot, "refused": True})
         elif op in ("chunk", "failed"):
-            self._request_notice(op, str(message["req"]), message)
+            self._request_notice(op, str(message["req"]), message, session)
         else:
             raise ValueError(f"unknown control message {op!r}")
 
-    def _begin_requests(self, req_ids: List[str]) -> List[str]:
-        """Start or renew the leases of a step's requests; return those already
-        reported (their blocks may be reused: the producer must not write them)."""
+    def _begin_requests(self, message: dict, session: Session) -> List[str]:
+        """Start or renew the leases of a step's requests and note which blocks each
+        will fill; return those this session may not send: already reported (their
+        blocks may be reused) or owned by another session."""
+        req_ids = [str(r) for r in message["reqs"]]
+        dst = {str(k): _block_list(v) for k, v in message.get("dst", {}).items()}
+        for req_id, blocks in dst.items():
+            if any(not 0 <= b < self._num_blocks for b in blocks):
+                raise ValueError(f"begin: destination blocks of {req_id!r} out of range "
+                                 f"(this consumer has {self._num_blocks} blocks)")
         deadline = time.monotonic() + self._config.lease_s
         rejected = []
         with self._ledger.lock:
-            for req_id in map(str, req_ids):
+            owned = self._owned_blocks.setdefault(session, {})
+            for req_id in req_ids:
+                entry = self._incoming.get(req_id)
                 if self._ledger.was_reported_locked(req_id):
                     rejected.append(req_id)
-                elif req_id in self._incoming:
-                    self._incoming[req_id].deadline = deadline
-                else:
-                    self._incoming[req_id] = _Incoming(deadline)
+                    continue
+                if entry is None:
+                    entry = self._incoming[req_id] = _Incoming(deadline)
+                if entry.owner is None:
+                    entry.owner = session  # expect() made it, or it is new: the first begin claims it
+                elif entry.owner is not session:
+                    self._stats.add(control_not_owner=1)
+                    log.warning("producer %s: begin for request %s, which producer %s began: refused",
+                                session.producer, req_id, entry.owner.producer)
+                    rejected.append(req_id)
+                    continue
+                entry.deadline = deadline
+                for block in dst.get(req_id, ()):
+                    entry.blocks.add(block)
+                    owned[block] = req_id
         return rejected
 
-    def _request_notice(self, op: str, req_id: str, message: dict) -> None:
+    def _owns_blocks(self, session: Session, blocks: List[int]) -> bool:
+        with self._ledger.lock:
+            owned = self._owned_blocks.get(session, {})
+            return all(b in owned for b in blocks)
+
+    def _request_notice(self, op: str, req_id: str, message: dict, session: Session) -> None:
         with self._ledger.lock:
             entry = self._incoming.get(req_id)
             if entry is None:  # reported already (lease expired) or never begun
                 log.warning("ignoring %r for request %s: not in flight here", op, req_id)
+                return
+            if entry.owner is not session:
+                self._stats.add(control_not_owner=1)
+                log.warning("ignoring %r for request %s from producer %s: it did not begin it",
+                            op, req_id, session.producer)
                 return
             entry.deadline = time.monotonic() + self._config.lease_s
             if op == "chunk":
@@ -119,10 +181,28 @@ class ConsumerSide:
                 self._stats.add(bytes_sent=entry.bytes)
             else:
                 log.warning("request %s failed on the producer: %s", req_id, message.get("reason"))
-            del self._incoming[req_id]
-            self._ledger.record_locked(req_id, ok=op == "chunk")
+            self._end_locked(req_id, ok=op == "chunk")
+
+    def _end_locked(self, req_id: str, ok: bool) -> None:
+        """Under the ledger lock: report the request once and forget its blocks."""
+        entry = self._incoming.pop(req_id)
+        if entry.owner is not None:
+            owned = self._owned_blocks.get(entry.owner, {})
+            for block in entry.blocks:
+                if owned.get(block) == req_id:
+                    del owned[block]
+        self._ledger.record_locked(req_id, ok=ok)
 
     def _on_producer_gone(self, session: Session) -> None:
+        """A connection that ends is a failed peer: its producer fails what it began
+        (docs/connector.md), so the requests fail here now instead of at lease expiry."""
+        with self._ledger.lock:
+            begun = [r for r, entry in self._incoming.items() if entry.owner is session]
+            for req_id in begun:
+                log.warning("request %s: the connection of producer %s ended before it finished",
+                            req_id, session.producer)
+                self._end_locked(req_id, ok=False)
+            self._owned_blocks.pop(session, None)
         if self._staging is not None and session.producer is not None:
             self._staging.release(session.producer)
 
@@ -132,8 +212,7 @@ class ConsumerSide:
             expired = [r for r, entry in self._incoming.items() if entry.deadline < now]
             for req_id in expired:
                 log.warning("request %s: lease expired before it finished", req_id)
-                del self._incoming[req_id]
-                self._ledger.record_locked(req_id, ok=False)
+                self._end_locked(req_id, ok=False)
 
     # ------------------------------------------------------------------ shutdown
 
@@ -147,11 +226,18 @@ class ConsumerSide:
             problems.append(str(exc))
         with self._ledger.lock:
             for req_id in list(self._incoming):
-                self._ledger.record_locked(req_id, ok=False)
-            self._incoming.clear()
+                self._end_locked(req_id, ok=False)
+            self._owned_blocks.clear()
         if self._staging is not None:
             try:
                 self._staging.close()
             except (OSError, RuntimeError) as exc:
                 problems.append(f"release failed: {exc}")
         return problems
+
+
+def _block_list(value) -> List[int]:
+    """Block ids from a control message: a list of integers (bools and floats refused)."""
+    if not isinstance(value, list) or any(type(b) is not int for b in value):
+        raise ValueError("block ids must be a list of integers")
+    return value

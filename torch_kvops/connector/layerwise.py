@@ -90,11 +90,14 @@ class LayerwiseConnector:
                 and uniform_block(self._caches) is not None)
 
     def peer_info(self) -> dict:
-        """Consumer: JSON-serializable description (addresses and cache layout)."""
+        """Consumer: JSON-serializable description (addresses, cache layout, and the
+        secret a producer must prove it knows to use the control channel). Hand it to
+        producers only over the engine's own trusted channel, and do not log it."""
         self._require("consumer", registered=True)
         return {"version": PROTOCOL_VERSION, "engine_id": self.engine_id,
                 "transport": self.transport.name, "data_address": self.transport.address(),
-                "control_address": self._side.control_address, "layout": self._layout.to_json()}
+                "control_address": self._side.control_address, "layout": self._layout.to_json(),
+                "secret": self._side.secret}
 
     def add_peer(self, info: dict) -> str:
         """Producer: validate a consumer's layout against ours, connect its control
@@ -163,12 +166,15 @@ class LayerwiseConnector:
         return self._side.last_step_trace() if isinstance(self._side, ProducerSide) else []
 
     def stats(self) -> dict:
-        """Counters (bytes, layers, requests finished/failed, retries, errors) and
-        per-layer mean wait-for-event and transfer times (producer)."""
+        """Counters (bytes, layers, requests finished/failed, retries, errors, control
+        messages refused) and per-layer mean wait-for-event and transfer times
+        (producer); docs/connector.md lists them."""
         if self._stats is None:
             return {}
         out = self._stats.snapshot()
         out["role"] = self.role
+        if isinstance(self._side, ConsumerSide):
+            out.update(self._side.counters())
         with self._ledger.lock:
             out["in_flight"] = len(self._ledger.in_flight)
             if isinstance(self._side, ConsumerSide):

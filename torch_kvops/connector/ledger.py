@@ -1,15 +1,16 @@
 """Request outcomes, reported once each, and the connector's counters.
 
 Both roles report through a :class:`RequestLedger`: an id is queued for
-``get_finished`` at most once, and remembered afterwards so that late notices,
-late chunks or a reused id cannot report it again.
+``get_finished`` at most once, and its outcome is remembered from the moment it is
+decided (also while a failure waits out its quarantine), so that late notices, later
+chunks of the request or a reused id cannot report it again.
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections import OrderedDict
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -24,7 +25,8 @@ class ConnectorStats:
         self.lock = threading.Lock()
         self.counters = dict(bytes_sent=0, layers_sent=0, steps=0, requests_finished=0,
                              requests_failed=0, retries=0, transport_errors=0, orphan_pushes=0,
-                             staged_writes=0)
+                             staged_writes=0, chunks_after_failure=0, control_not_owner=0,
+                             scatter_refused=0)
         self.wait_s = np.zeros(num_layers)
         self.transfer_s = np.zeros(num_layers)
         self.samples = np.zeros(num_layers, dtype=np.int64)
@@ -61,7 +63,7 @@ class RequestLedger:
         self._finished: Set[str] = set()
         self._failed: Set[str] = set()
         self._delayed: List[Tuple[float, str, bool]] = []  # (due, req_id, ok): quarantined
-        self._reported: "OrderedDict[str, None]" = OrderedDict()
+        self._reported: "OrderedDict[str, bool]" = OrderedDict()  # req_id -> ok
 
     def report(self, req_id: str, ok: bool, delay: float = 0.0) -> None:
         """Producer: end an in-flight request (no-op if it already ended). With a
@@ -71,19 +73,28 @@ class RequestLedger:
                 return
             if delay > 0:
                 self._delayed.append((time.monotonic() + delay, req_id, ok))
+                self._remember_locked(req_id, ok)
             else:
                 self.record_locked(req_id, ok)
 
     def record_locked(self, req_id: str, ok: bool) -> None:
         """Under ``lock``: queue the id for :meth:`drain`, remember it was reported."""
         (self._finished if ok else self._failed).add(req_id)
-        self._reported[req_id] = None
+        self._remember_locked(req_id, ok)
+        self._stats.add(**{"requests_finished" if ok else "requests_failed": 1})
+
+    def _remember_locked(self, req_id: str, ok: bool) -> None:
+        self._reported[req_id] = ok
         if len(self._reported) > _REMEMBERED_IDS:
             self._reported.popitem(last=False)
-        self._stats.add(**{"requests_finished" if ok else "requests_failed": 1})
 
     def was_reported_locked(self, req_id: str) -> bool:
         return req_id in self._reported
+
+    def outcome_locked(self, req_id: str) -> Optional[bool]:
+        """Under ``lock``: True/False once the request's outcome was decided (reported,
+        or held in quarantine), None while it is in flight or unknown."""
+        return self._reported.get(req_id)
 
     def drain(self) -> Tuple[Set[str], Set[str]]:
         """(finished, failed) since the last call, including quarantined outcomes now due."""

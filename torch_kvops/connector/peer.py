@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Dict, Optional
 
 import numpy as np
 
@@ -57,10 +57,13 @@ class PeerLink:
             self.dead = self.dead or f"control channel failed: {exc}"
             raise PeerFailed(self.dead) from exc
 
-    def begin(self, req_ids: List[str]) -> set:
-        """Announce a step's requests; the consumer answers with those it no longer
-        accepts (already reported failed, e.g. its lease expired)."""
-        self.send({"op": "begin", "reqs": req_ids})
+    def begin(self, dst_blocks: Dict[str, np.ndarray]) -> set:
+        """Announce a step's requests with the blocks each fills (the consumer lets this
+        connection scatter only into those); the consumer answers with those it does not
+        accept (already reported failed, e.g. its lease expired, or begun by another
+        producer)."""
+        self.send({"op": "begin", "reqs": list(dst_blocks),
+                   "dst": {req_id: dst.tolist() for req_id, dst in dst_blocks.items()}})
         answer = self._receive_until(lambda m: m.get("op") == "begun")
         if answer is None:
             raise PeerFailed(self.dead or "no answer to begin within the transfer timeout")
@@ -83,6 +86,12 @@ class PeerLink:
                 continue
             if message.get("op") == "ack" and self.staging is not None:
                 self.staging.busy[int(message["slot"])] = False
+                if message.get("refused"):
+                    # The consumer no longer has a request of ours there (lease expired):
+                    # it did not move the bytes and will not report the request finished.
+                    self._stats.add(scatter_refused=1)
+                    log.warning("peer %s refused a scatter into blocks of a request it no longer "
+                                "has in flight", self.peer_id)
             if done(message):
                 return message
 

@@ -73,6 +73,10 @@ class ProducerSide:
         if info.get("transport") != self._transport.name:
             raise ValueError(f"peer uses transport {info.get('transport')!r}, this side "
                              f"{self._transport.name!r}")
+        secret = info.get("secret")
+        if not isinstance(secret, str) or not secret:
+            raise ValueError("peer_info has no 'secret': pass the consumer's peer_info() unchanged "
+                             "(a consumer of protocol 2 always includes it)")
         layout = KVLayout.from_json(info["layout"])
         self._layout.check_compatible(layout)
         with self._ledger.lock:
@@ -91,11 +95,8 @@ class ProducerSide:
                                 retries=self._config.max_retries,
                                 backoff_s=self._config.retry_backoff_s)
         control.connect()
-        control.send({"op": "hello", "producer": self._engine_id, "staging": self._can_stage})
-        welcome = control.receive(self._config.control_timeout_s)
-        if welcome is None or welcome.get("op") != "welcome":
-            control.close()
-            raise ConnectionError(f"peer at {info['control_address']} did not answer hello")
+        # Mutual: we prove we know the secret, and refuse a consumer that cannot prove it.
+        welcome = control.handshake(secret, self._engine_id, self._can_stage)
         peer = PeerLink(info["engine_id"], layout, info["data_address"], control, self._transport,
                         self._config, self._stats, self._stop)
         grant = welcome.get("staging")
@@ -115,6 +116,21 @@ class ProducerSide:
         with self._ledger.lock:
             peers = {pid: p.layout for pid, p in self._peers.items()}
             plan = validate_step(requests, self._layout, peers, self._ledger.in_flight)
+            outcome = {req.req_id: self._ledger.outcome_locked(req.req_id) for req in requests}
+            again = [r for r, ok in outcome.items() if ok]
+            if again:
+                raise ValueError(f"request(s) {again} were already reported finished: a request's "
+                                 "chunks end with its last_chunk=True one, and an id is sent once")
+            # Later chunks of a request already reported failed (its peer died, the consumer
+            # refused it): nothing is written and nothing reported again, so an engine that
+            # frees blocks on failure frees them once. The failure report stands.
+            late = [r for r in requests if outcome[r.req_id] is False]
+            if late:
+                log.info("dropping later chunks of requests already reported failed: %s",
+                         sorted(r.req_id for r in late))
+                self._stats.add(chunks_after_failure=len(late))
+                requests = [r for r in requests if outcome[r.req_id] is None]
+                plan = validate_step(requests, self._layout, peers, self._ledger.in_flight)
             for req in requests:
                 self._ledger.in_flight[req.req_id] = req.peer
         # Pushes of a forward that ran without a step would be taken for this step's.
@@ -221,7 +237,7 @@ class ProducerSide:
                 step.failed_peers[peer_id] = peer.dead
                 continue
             try:
-                rejected = peer.begin([req.req_id for req, _, _ in entries])
+                rejected = peer.begin({req.req_id: dst for req, _, dst in entries})
             except PeerFailed as exc:
                 step.failed_peers[peer_id] = str(exc)
                 continue
