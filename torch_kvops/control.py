@@ -185,10 +185,12 @@ class ControlServer:
             return
         except OSError:
             data = b""
+        session = self._sessions[conn]
         if not data:
+            if not session.authenticated:  # left without proving itself
+                self._count("control_auth_failed")
             self._drop(conn)
             return
-        session = self._sessions[conn]
         session.buffer += data
         limit = self._max_line if session.authenticated else MAX_HANDSHAKE_LINE
         while conn in self._sessions:

@@ -1,0 +1,296 @@
+"""Who may talk on the control channel: the handshake, request ownership, bounded
+buffers, and exactly-once reporting across chunks (real processes, real Mooncake)."""
+import json
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
+from torch_kvops.control import (MAX_HANDSHAKE_LINE, MAX_PENDING_HANDSHAKES, ControlClient,
+                                 ControlServer, new_secret, proof)
+from torch_kvops.testing.consumer_process import ConsumerProcess
+
+LAYERS, BLOCKS, BLOCK_SHAPE = 2, 32, (2, 8, 16)  # 1 KiB blocks
+FAST = dict(transfer_timeout_s=3.0, max_retries=1, retry_backoff_s=0.02, lease_s=10.0,
+            control_timeout_s=2.0, quarantine_s=0.1)
+
+
+def make_producer(**config):
+    transport = MooncakeTransport(host="127.0.0.1")
+    caches = [torch.randn(BLOCKS, *BLOCK_SHAPE) for _ in range(LAYERS)]
+    conn = LayerwiseConnector("producer", transport, ConnectorConfig(**dict(FAST, **config)))
+    conn.register_kv_caches(caches)
+    return conn, caches, transport
+
+
+@pytest.fixture
+def consumer():
+    proc = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **FAST)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def producer():
+    conn, caches, transport = make_producer()
+    yield conn, caches
+    conn.close()
+    transport.close()
+
+
+def push(conn, caches, requests, timeout=30):
+    conn.start_step(requests)
+    for layer, cache in enumerate(caches):
+        conn.save_kv_layer(layer, cache)
+    conn.wait_for_save(timeout=timeout)
+
+
+def address(info):
+    host, port = info["control_address"].rsplit(":", 1)
+    return host, int(port)
+
+
+def read_until_closed(sock, timeout=5.0) -> bytes:
+    sock.settimeout(timeout)
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(1 << 16)
+        except ConnectionResetError:  # closed with our unread bytes still in its buffer
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
+def collect(conn, wanted, timeout):
+    """Every report of the producer until ``wanted`` ids were all reported (or timeout);
+    returns lists so that a second report of one id shows."""
+    finished, failed = [], []
+    deadline = time.monotonic() + timeout
+    while not set(wanted) <= set(finished) | set(failed) and time.monotonic() < deadline:
+        f, x = conn.get_finished()
+        finished += sorted(f)
+        failed += sorted(x)
+        time.sleep(0.01)
+    return finished, failed
+
+
+# ---------------------------------------------------------------------- the outsider of the issue
+
+def test_outsider_knowing_only_the_port_cannot_finish_a_request(consumer, producer):
+    """The attack from the issue: hello, begin for an expected request, chunk last. The
+    consumer closes the connection after hello (no proof) and reads nothing else; the
+    real producer's begin is accepted afterwards and its bytes land."""
+    consumer.call("expect", ["victim"])
+    with socket.create_connection(address(consumer.info), timeout=5) as rogue:
+        lines = [{"op": "hello", "producer": "rogue", "nonce": "ab" * 32, "staging": True},
+                 {"op": "begin", "reqs": ["victim"]},
+                 {"op": "chunk", "req": "victim", "last": True, "bytes": 0},
+                 {"op": "failed", "req": "victim", "reason": "denial"}]
+        rogue.sendall(b"".join(json.dumps(m).encode() + b"\n" for m in lines))
+        answer = read_until_closed(rogue)
+    assert b'"begun"' not in answer, "nothing after hello may be read before the proof"
+    finished, failed, _ = consumer.call("wait", ["victim"], 1.0)
+    assert not finished and not failed
+    assert consumer.call("stats")["control_auth_failed"] >= 1
+
+    conn, caches = producer
+    peer = conn.add_peer(consumer.info)
+    push(conn, caches, [TransferRequest("victim", peer, [3, 4], [7, 9])])
+    finished, failed, _ = consumer.call("wait", ["victim"], 10.0)
+    assert finished == {"victim"} and not failed
+    received = consumer.call("caches")
+    for layer in range(LAYERS):
+        assert np.array_equal(received[layer][[7, 9]], caches[layer][[3, 4]].numpy())
+
+
+def test_a_producer_with_the_wrong_secret_is_refused(consumer, producer):
+    conn, _ = producer
+    forged = dict(consumer.info, secret=new_secret())
+    with pytest.raises(ConnectionError, match="handshake"):
+        conn.add_peer(forged)
+    assert consumer.call("stats")["control_auth_failed"] >= 1
+    with pytest.raises(ValueError, match="secret"):
+        conn.add_peer({k: v for k, v in consumer.info.items() if k != "secret"})
+    assert conn.add_peer(consumer.info)  # the real one still works
+
+
+def test_the_producer_refuses_a_consumer_that_cannot_prove_the_secret(consumer, producer):
+    """Mutual: a server at the consumer's control address that does not know the
+    secret (here: one with another secret) is refused before any notice is sent."""
+    heard = []
+    impostor = ControlServer("127.0.0.1", lambda m, s: heard.append(m), lambda s: None, lambda: None,
+                             secret=new_secret())
+    try:
+        conn, _ = producer
+        with pytest.raises(ConnectionError, match="could not prove"):
+            conn.add_peer(dict(consumer.info, control_address=impostor.address))
+        assert heard == [], "the impostor must not get past the handshake"
+    finally:
+        impostor.close()
+
+
+# ---------------------------------------------------------------------- bounded buffers
+
+@pytest.fixture
+def server():
+    heard, closed = [], []
+    secret = new_secret()
+
+    def on_message(message, session):
+        heard.append((session.producer, message))
+        if message["op"] == "hello":
+            session.reply({"op": "welcome", "staging": None})
+
+    srv = ControlServer("127.0.0.1", on_message, closed.append, lambda: None, secret=secret,
+                        max_line_bytes=8 << 10, handshake_timeout_s=1.0)
+    srv.heard, srv.closed, srv.secret = heard, closed, secret
+    yield srv
+    srv.close()
+
+
+def client(srv, producer="p1"):
+    c = ControlClient(srv.address, timeout_s=5.0, retries=0)
+    c.connect()
+    c.handshake(srv.secret, producer, staging=False)
+    return c
+
+
+def test_endless_lines_floods_and_bad_json_drop_only_their_connection(server):
+    good = client(server, "good")
+    attacks = {
+        "endless line before the handshake": b"x" * (MAX_HANDSHAKE_LINE + 10),
+        "malformed JSON": b"{not json\n",
+        "not an object": b"[1, 2]\n",
+        "a flood of hellos": b"".join(json.dumps({"op": "hello", "producer": "f", "nonce": "cd" * 32})
+                                      .encode() + b"\n" for _ in range(1000)),
+    }
+    for name, payload in attacks.items():
+        with socket.create_connection(address({"control_address": server.address}), timeout=5) as s:
+            s.sendall(payload)
+            read_until_closed(s)  # closed by the server, whatever it answered first
+    authed = client(server, "noisy")
+    authed._sock.sendall(b"y" * (16 << 10))  # a line over max_line_bytes after the handshake
+    with pytest.raises(ConnectionError):
+        authed.receive(5.0)
+    authed.close()
+    deadline = time.monotonic() + 5
+    while [s.producer for s in server.closed] != ["noisy"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [s.producer for s in server.closed] == ["noisy"]
+    counters = server.counters_snapshot()
+    assert counters["control_auth_failed"] >= len(attacks) and counters["control_dropped"] == 1
+    good.send({"op": "ping"})  # the good connection was never disturbed
+    deadline = time.monotonic() + 5
+    while not any(m.get("op") == "ping" for _, m in server.heard) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ("good", {"op": "ping"}) in server.heard
+    good.close()
+
+
+def test_silent_and_surplus_connections_are_closed(server):
+    silent = [socket.create_connection(address({"control_address": server.address}), timeout=5)
+              for _ in range(MAX_PENDING_HANDSHAKES + 4)]
+    try:
+        for s in silent:  # every one is closed: the surplus at once, the rest after 1 s
+            read_until_closed(s, timeout=10.0)
+    finally:
+        for s in silent:
+            s.close()
+    counters = server.counters_snapshot()
+    assert counters["control_refused_busy"] >= 4
+    assert counters["control_auth_failed"] >= MAX_PENDING_HANDSHAKES - 4
+    client(server, "after").close()  # and the server still serves
+
+
+def test_the_handshake_proofs_are_bound_to_role_nonces_and_producer():
+    secret, a, b = new_secret(), "aa" * 32, "bb" * 32
+    base = proof(secret, "producer", a, b, "p")
+    assert base != proof(secret, "consumer", a, b, "p")
+    assert base != proof(secret, "producer", b, a, "p")
+    assert base != proof(secret, "producer", a, b, "q")
+    assert base != proof(new_secret(), "producer", a, b, "p")
+    with pytest.raises(ValueError, match="hex"):
+        ControlServer("127.0.0.1", None, None, None, secret="not hex")
+
+
+# ---------------------------------------------------------------------- ownership
+
+def test_only_the_session_that_began_a_request_may_end_or_scatter_it(consumer, producer):
+    conn, caches = producer
+    peer = conn.add_peer(consumer.info)
+    push(conn, caches, [TransferRequest("mine", peer, [1, 2], [20, 21], last_chunk=False)])
+
+    # Another producer that knows the secret (a second prefill instance reusing the id).
+    other, other_caches, other_transport = make_producer()
+    try:
+        other_peer = other.add_peer(consumer.info)
+        push(other, other_caches, [TransferRequest("mine", other_peer, [5], [25])])
+        _, failed = collect(other, ["mine"], 5.0)
+        assert failed == ["mine"], "its begin is refused: the id belongs to the first producer"
+    finally:
+        other.close()
+        other_transport.close()
+
+    # A raw authenticated session: failed / chunk / scatter for a request it did not begin.
+    intruder = ControlClient(consumer.info["control_address"], timeout_s=5.0, retries=0)
+    intruder.connect()
+    welcome = intruder.handshake(consumer.info["secret"], "intruder", staging=True)
+    assert welcome["staging"], "CPU caches: the consumer grants staging"
+    intruder.send({"op": "failed", "req": "mine", "reason": "denial"})
+    intruder.send({"op": "chunk", "req": "mine", "last": True, "bytes": 0})
+    intruder.send({"op": "scatter", "layer": 0, "slot": 0, "dst": [20]})
+    ack = intruder.receive(5.0)
+    assert ack == {"op": "ack", "slot": 0, "refused": True}
+    intruder.close()
+    finished, failed, _ = consumer.call("wait", ["mine"], 0.5)
+    assert not finished and not failed, "nobody but its producer may end the request"
+    stats = consumer.call("stats")
+    assert stats["control_not_owner"] >= 3 and stats["scatter_refused"] == 1
+
+    push(conn, caches, [TransferRequest("mine", peer, [3], [22], last_chunk=True)])
+    finished, failed, _ = consumer.call("wait", ["mine"], 10.0)
+    assert finished == {"mine"} and not failed
+    received = consumer.call("caches")
+    for layer in range(LAYERS):
+        assert np.array_equal(received[layer][[20, 21, 22]], caches[layer][[1, 2, 3]].numpy())
+        assert (received[layer][25] == -7.0).all(), "the refused producer wrote nothing"
+
+
+# ---------------------------------------------------------------------- exactly once across chunks
+
+def test_later_chunks_of_a_request_to_a_dead_peer_are_not_reported_again():
+    """The soak finding: every later chunk of a chunked request to a dead consumer was
+    reported failed again. The quarantine is long here, so the later chunks arrive
+    while the failure waits in it (not yet visible to get_finished)."""
+    conn, caches, transport = make_producer(quarantine_s=1.5)
+    alive = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **FAST)
+    doomed = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **FAST)
+    try:
+        p_alive, p_doomed = conn.add_peer(alive.info), conn.add_peer(doomed.info)
+        push(conn, caches, [TransferRequest("c", p_doomed, [0], [0], last_chunk=False),
+                            TransferRequest("k", p_alive, [0], [0], last_chunk=False)])
+        doomed.kill()
+        push(conn, caches, [TransferRequest("c", p_doomed, [1], [1], last_chunk=False),
+                            TransferRequest("k", p_alive, [1], [1], last_chunk=False)])
+        push(conn, caches, [TransferRequest("c", p_doomed, [2], [2], last_chunk=True),
+                            TransferRequest("k", p_alive, [2], [2], last_chunk=True)])
+        finished, failed = collect(conn, ["c", "k"], 10.0)
+        time.sleep(1.6)  # anything still quarantined comes out now
+        more_finished, more_failed = collect(conn, [], 0.0)
+        assert finished + more_finished == ["k"]
+        assert failed + more_failed == ["c"], "reported once, whatever chunks followed"
+        assert conn.stats()["chunks_after_failure"] == 1
+        got, bad, _ = alive.call("wait", ["k"], 10.0)
+        assert got == {"k"} and not bad
+        with pytest.raises(ValueError, match="already reported finished"):
+            conn.start_step([TransferRequest("k", p_alive, [3], [3])])
+    finally:
+        conn.close()
+        transport.close()
+        alive.stop()
+        doomed.kill()
