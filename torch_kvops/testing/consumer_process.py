@@ -6,6 +6,7 @@ engine over loopback TCP.
 """
 from __future__ import annotations
 
+import os
 import time
 import traceback
 
@@ -43,12 +44,27 @@ def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, tran
             time.sleep(0.002)
         return finished, failed, times
 
+    def drain():
+        # Lists, not the sets wait() accumulates: a test counts how often an id came.
+        finished, failed = connector.get_finished()
+        return sorted(finished), sorted(failed)
+
     def close():
         connector.close()
         transport.close()
 
-    serve(pipe, {"expect": expect, "wait": wait, "stats": connector.stats,
+    serve(pipe, {"expect": expect, "wait": wait, "drain": drain, "stats": connector.stats,
+                 "resources": process_resources,
                  "caches": lambda: [c.numpy().copy() for c in caches]}, close)
+
+
+def process_resources() -> dict:
+    """This process's threads (native ones included), open fds and resident memory,
+    from /proc (Linux): what a leak per step would grow."""
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f if ":" in line)
+    return {"threads": int(status["Threads"]), "fds": len(os.listdir("/proc/self/fd")),
+            "rss_kib": int(status["VmRSS"].split()[0])}
 
 
 class ConsumerProcess(WorkerProcess):
