@@ -76,6 +76,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         kvops::get_layer_event_pool(handle, layer, kv_cache.device())->bind(layer, kv_cache.data_ptr());
       },
       py::arg("handle"), py::arg("layer"), py::arg("kv_cache"));
+  m.def(
+      "layer_events_pushed_at",
+      [](int64_t handle, int64_t layer) {
+        return kvops::get_layer_event_pool(handle, layer, std::nullopt)->pushed_at(layer);
+      },
+      py::arg("handle"), py::arg("layer"));
   m.def("layer_events_close", &kvops::close_layer_event_pool, py::arg("handle"),
         py::call_guard<py::gil_scoped_release>());
   m.def("build_info", &build_info);

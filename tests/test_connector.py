@@ -371,3 +371,42 @@ def test_caches_the_transport_cannot_move_are_refused_up_front():
         assert transport.supports_device("cpu")
     finally:
         transport.close()
+
+
+def test_step_trace_names_each_moment_and_staging_runs_the_device_pipeline_steps(consumer, producer):
+    """CPU caches go through the same staging steps as CUDA caches (gather, staged,
+    write, scatter): a fragmented step fills ``staged``; a contiguous one goes direct."""
+    conn, caches = producer
+    peer = conn.add_peer(consumer.info)
+    rng = np.random.default_rng(5)
+    fragmented = (rng.choice(BLOCKS, 24, replace=False).tolist(),
+                  rng.choice(BLOCKS, 24, replace=False).tolist())
+    contiguous = (list(range(40, 64)), list(range(40, 64)))
+    for req_id, (src, dst), staged in (("frag", fragmented, True), ("run", contiguous, False)):
+        before = conn.stats()["staged_writes"]
+        conn.start_step([TransferRequest(req_id, peer, src, dst)])
+        issued = []
+        gen = torch.Generator().manual_seed(9)
+        idx = torch.tensor(src, dtype=torch.long)
+        for layer, cache in enumerate(caches):
+            cache.index_copy_(0, idx, torch.randn(len(src), *BLOCK_SHAPE, generator=gen))
+            issued.append(time.perf_counter())
+            conn.save_kv_layer(layer, cache)
+        conn.wait_for_save(timeout=30)
+        trace = conn.last_step_trace()
+        assert [t["layer"] for t in trace] == list(range(LAYERS))
+        for t, at in zip(trace, issued):
+            # "pushed" is the model's push (same clock as perf_counter), not the sender's take
+            assert at <= t["pushed"] <= at + 0.05, (t, at)
+            assert t["pushed"] <= t["taken"] <= t["event_ready"] <= t["landed"], t
+            if staged:
+                assert t["event_ready"] <= t["staged"] <= t["landed"], t
+            else:
+                assert t["staged"] is None, t
+        assert (conn.stats()["staged_writes"] > before) == staged
+        finished, failed, _ = consumer.call("wait", [req_id], 10.0)
+        assert finished == {req_id} and not failed
+        received = consumer.call("caches")
+        for layer in range(LAYERS):
+            for s, d in zip(src, dst):
+                assert np.array_equal(received[layer][d], caches[layer][s].numpy()), (req_id, layer)

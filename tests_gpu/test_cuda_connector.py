@@ -1,6 +1,6 @@
-"""LayerwiseConnector with CUDA KV caches on the producer and CPU caches on a consumer
-in another process (torch_kvops.testing.consumer_process), over the real Mooncake
-transfer engine (TCP, loopback).
+"""LayerwiseConnector with CUDA KV caches on the producer (and on a consumer in another
+process, torch_kvops.testing.consumer_process), over the real Mooncake transfer engine
+(TCP, loopback).
 
 What is checked:
 
@@ -8,21 +8,19 @@ What is checked:
   write produced, never the stale ones (the sender waits on the layer's own event);
 * the same forward captured in a CUDA graph: every replay delivers every layer
   (record = external event record node, push = host node);
-* layer-wise overlap: layer 0 has landed on the consumer well before the last layer's
-  event completes, eagerly and under graph replay.
+* layer-wise overlap with the model on torch's DEFAULT stream (where engines and most
+  model code run): layer 0 has landed on the consumer before the last layer's compute
+  ends, and the transfer exposed after the forward is about one layer's, eagerly and
+  under graph replay;
+* a CUDA consumer: bytes land in pinned staging and are scattered on the connector's
+  own stream; the request is finished only after that scatter completed.
 
-The forward runs on a side stream (``torch.cuda.Stream``, created non-blocking). That
-matters: Mooncake's TCP transport copies device memory to the host with a synchronous
-``cudaMemcpy`` on its own thread, i.e. on the legacy default stream, which waits for all
-work queued on the legacy default stream (and on blocking streams). With the forward on
-the legacy default stream a missing event wait could go unnoticed and the overlap is
-lost; test_slow_kernel_before_kv_write_sends_the_new_bytes runs there too, for
-correctness only.
+CUDA caches go through pinned host staging on a connector-owned stream, so the
+transport never touches device memory: Mooncake's TCP transport would copy it with a
+synchronous cudaMemcpy on the legacy default stream, behind the whole forward. Either
+Mooncake wheel works (the CUDA one or mooncake-transfer-engine-non-cuda).
 
-Needs a GPU, a CUDA build of torch_kvops, and the CUDA wheel of Mooncake
-(``pip install mooncake-transfer-engine``): the non-CUDA wheel
-(``mooncake-transfer-engine-non-cuda``) cannot register device memory, which
-``mooncake.engine.SUPPORT_CUDA`` tells. Skipped otherwise."""
+Needs a GPU and a CUDA build of torch_kvops; skipped only where CUDA is not available."""
 import time
 
 import numpy as np
@@ -31,18 +29,6 @@ import torch
 
 if not torch.cuda.is_available():
     pytest.skip("CUDA is not available", allow_module_level=True)
-
-try:
-    import mooncake.engine as _mooncake_engine
-except ImportError as _exc:  # not installed, or its OS libraries are missing
-    pytest.skip(f"the Mooncake transfer engine cannot be imported ({_exc}); install the CUDA "
-                "wheel: pip install mooncake-transfer-engine", allow_module_level=True)
-
-if not getattr(_mooncake_engine, "SUPPORT_CUDA", False):
-    pytest.skip("the installed Mooncake wheel was built without CUDA "
-                "(mooncake.engine.SUPPORT_CUDA is False, e.g. mooncake-transfer-engine-non-cuda) "
-                "and cannot register or read GPU memory; install the CUDA wheel: "
-                "pip install mooncake-transfer-engine", allow_module_level=True)
 
 import torch_kvops  # noqa: E402
 from torch_kvops import (ConnectorConfig, LayerwiseConnector, MooncakeTransport,  # noqa: E402
@@ -202,7 +188,8 @@ def producer_finished(conn, req_ids, timeout=10.0):
 
 def relative_trace(trace):
     t0 = min(t["pushed"] for t in trace)
-    return [{k: (round(v - t0, 4) if k != "layer" else v) for k, v in t.items()} for t in trace]
+    return [{k: (round(v - t0, 4) if isinstance(v, float) else v) for k, v in t.items()}
+            for t in trace]
 
 
 # ---------------------------------------------------------------------------------------
@@ -231,12 +218,16 @@ def test_slow_kernel_before_kv_write_sends_the_new_bytes(consumer, producer, cyc
 
     trace = conn.last_step_trace()
     assert [t["layer"] for t in trace] == list(range(LAYERS)), relative_trace(trace)
-    # The push is eager (at issue time), the KV write ~layer_ms later: the sender must
-    # have waited on layer 0's event for about that long before sending.
+    # ``pushed`` is when the model issued the push (eager: at issue time, before the
+    # slow kernel ran); the KV write finishes ~layer_ms later. The sender must have
+    # waited on layer 0's event for about that long before staging and sending it.
     waited = trace[0]["event_ready"] - trace[0]["pushed"]
     assert waited >= 0.5 * layer_ms / 1000, (
-        f"layer 0 was sent {waited * 1000:.1f} ms after its push, before its KV write "
-        f"(~{layer_ms} ms) can have finished: {relative_trace(trace)}")
+        f"layer 0's event was ready {waited * 1000:.1f} ms after its push, before its KV "
+        f"write (~{layer_ms} ms) can have finished: {relative_trace(trace)}")
+    for t in trace:
+        assert t["pushed"] <= t["taken"] <= t["event_ready"] <= t["staged"] <= t["landed"], \
+            relative_trace(trace)
     check_delivered(consumer, caches, ["a", "b", "run"], pairs, [d for _, d in pairs],
                     src_blocks=src, values=values)
     done, bad = producer_finished(conn, ["a", "b", "run"])
@@ -244,7 +235,7 @@ def test_slow_kernel_before_kv_write_sends_the_new_bytes(consumer, producer, cyc
     stats = conn.stats()
     assert stats["bytes_sent"] == len(pairs) * LAYERS * BLOCK_BYTES, stats
     assert stats["layers_sent"] == LAYERS and stats["requests_finished"] == 3, stats
-    assert stats["staged_writes"] == 0, "device caches must not go through (CPU) staging"
+    assert stats["staged_writes"] >= LAYERS, "CUDA caches must go through host staging"
     assert stats["transport_errors"] == 0 and stats["orphan_pushes"] == 0, stats
 
 
@@ -252,13 +243,14 @@ def test_slow_kernel_before_kv_write_sends_the_new_bytes(consumer, producer, cyc
 # 2. CUDA graph: every replay delivers every layer
 
 
-def test_cuda_graph_replays_deliver_every_layer(consumer, producer, cycles_per_ms):
+@pytest.mark.parametrize("stream_kind", ["side", "default"])
+def test_cuda_graph_replays_deliver_every_layer(consumer, producer, cycles_per_ms, stream_kind):
     conn, caches = producer
     peer = conn.add_peer(consumer.info)
     src = [4, 5, 6, 30, 31]  # static slots written by the captured forward
     n = len(src)
     model = SlowModel(conn, caches, src, cycles_per_ms * 30)
-    stream = side_stream()
+    stream = side_stream() if stream_kind == "side" else torch.cuda.default_stream(DEV)
     all_dst = []
     graph = None
     try:
@@ -303,19 +295,31 @@ def test_cuda_graph_replays_deliver_every_layer(consumer, producer, cycles_per_m
 # 3. Layer-wise overlap: early layers land while later layers still compute
 
 
+def transfer_times(trace):
+    """Per layer, how long its transfer took once it could start (its event ready and
+    the previous layer's writes returned)."""
+    times, prev_landed = [], 0.0
+    for t in trace:
+        times.append(t["landed"] - max(t["event_ready"], prev_landed))
+        prev_landed = t["landed"]
+    return times
+
+
+@pytest.mark.parametrize("stream_kind", ["default", "side"])
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_layer_zero_lands_before_the_last_layer_is_computed(consumer, producer, cycles_per_ms,
-                                                            mode):
+                                                            mode, stream_kind):
     conn, caches = producer
     peer = conn.add_peer(consumer.info)
     layer_ms = 200  # per-layer "attention": transfers of 256 KiB take a few ms
-    src = list(range(16))  # one 256 KiB descriptor per layer
+    src = list(range(16))  # 16 blocks of 16 KiB per layer
     warm_model = SlowModel(conn, caches, src, 0)
     timed_model = SlowModel(conn, caches, src, cycles_per_ms * layer_ms)
-    stream = side_stream()  # after the models' tensors were made on the current stream
+    # After the models' tensors were made on the current stream.
+    stream = side_stream() if stream_kind == "side" else torch.cuda.default_stream(DEV)
     graph = None
     try:
-        # Warm-up (handshake with the peer, Mooncake's first device copy), not timed.
+        # Warm-up (handshake with the peer, first staging copies), not timed.
         warm_values = new_values(len(src), seed=7)
         run_step(conn, [TransferRequest("warm", peer, src, list(range(16, 32)))], stream,
                  lambda: (warm_model.set_inputs(warm_values), warm_model.forward()))
@@ -339,17 +343,48 @@ def test_layer_zero_lands_before_the_last_layer_is_computed(consumer, producer, 
         trace = conn.last_step_trace()
         assert [t["layer"] for t in trace] == list(range(LAYERS)), relative_trace(trace)
         landed_first = trace[0]["landed"]
-        last_ready = trace[-1]["event_ready"]
-        # Expected: layer 0 lands ~1 x layer_ms after the start, the last layer's event
-        # completes ~LAYERS x layer_ms after it. Require at least half a layer of margin.
-        assert landed_first < last_ready - 0.5 * layer_ms / 1000, (
-            f"layer 0 landed {(landed_first - last_ready) * 1000:+.1f} ms relative to the last "
-            f"layer's event: the transfer did not overlap later compute: {relative_trace(trace)}")
+        forward_end = trace[-1]["event_ready"]  # the last layer's KV write completed
+        # Expected: layer 0 lands ~1 x layer_ms after the start, the forward ends ~LAYERS x
+        # layer_ms after it. Require at least half a layer of margin.
+        assert landed_first < forward_end - 0.5 * layer_ms / 1000, (
+            f"layer 0 landed {(landed_first - forward_end) * 1000:+.1f} ms relative to the end "
+            f"of the forward: the transfer did not overlap later compute: {relative_trace(trace)}")
         assert all(a["event_ready"] < b["event_ready"] for a, b in zip(trace, trace[1:])), \
             relative_trace(trace)
+        # What the user feels: the transfer left after the forward is about one layer's.
+        exposed = trace[-1]["landed"] - forward_end
+        one_layer = max(transfer_times(trace))
+        assert exposed <= one_layer + 0.005, (
+            f"{exposed * 1000:.1f} ms of transfer exposed after the forward, one layer takes "
+            f"{one_layer * 1000:.1f} ms: {relative_trace(trace)}")
         check_delivered(consumer, caches, ["timed"], list(zip(src, dst)), all_dst,
                         src_blocks=src, values=values)
     finally:
         torch.cuda.synchronize()
         if graph is not None:
             graph.reset()  # the graph records the connector's events: free it first
+
+
+# ---------------------------------------------------------------------------------------
+# 4. A CUDA consumer: staging, scatter on the connector's stream, then "finished"
+
+
+def test_cuda_consumer_receives_exact_bytes(producer, cycles_per_ms):
+    conn, caches = producer
+    consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, timeout=120.0, device=str(DEV), **CONFIG)
+    try:
+        assert consumer.info["device"] == "cuda"
+        peer = conn.add_peer(consumer.info)
+        rng = np.random.default_rng(3)
+        src = rng.choice(BLOCKS, 24, replace=False).tolist()
+        dst = rng.choice(BLOCKS, 24, replace=False).tolist()
+        model = SlowModel(conn, caches, src, cycles_per_ms * 20)
+        values = new_values(len(src), seed=11)
+        model.set_inputs(values)
+        run_step(conn, [TransferRequest("to-gpu", peer, src, dst)], torch.cuda.default_stream(DEV),
+                 model.forward)
+        check_delivered(consumer, caches, ["to-gpu"], list(zip(src, dst)), dst,
+                        src_blocks=src, values=values)
+        assert consumer.call("stats")["requests_finished"] == 1
+    finally:
+        consumer.stop()

@@ -55,6 +55,12 @@ class LayerEvents:
         issued for the current step: take layers from :meth:`next_ready`."""
         return _C.layer_events_wait(self.handle, layer, _seconds(timeout))
 
+    def pushed_at(self, layer: int) -> float:
+        """``time.monotonic()`` seconds of the latest push of ``layer`` (0.0 if never):
+        when the model issued it in eager mode; under CUDA-graph replay, when the stream
+        reached the push, i.e. when the layer's KV write had finished on the device."""
+        return _C.layer_events_pushed_at(self.handle, layer)
+
     def close(self) -> None:
         """Wake every waiter, drop queued layers and free the handle. Idempotent."""
         self._close()

@@ -7,6 +7,14 @@ of its staging buffer with ``swap_blocks_batch``, writes that slot into the peer
 staging slot as one range, and tells the peer (control channel, after the write
 returned) which blocks the slot holds; the peer scatters them into its cache with
 ``swap_blocks_batch`` and acknowledges, which frees the slot for reuse.
+
+With CUDA caches every layer goes through staging, whatever its fragmentation: the
+slots are pinned host memory, gathers and scatters run on a connector-owned
+non-blocking stream and are awaited through their own event (polled, bounded), so the
+transport never reads or writes device memory. Mooncake's TCP transport would read
+it with a synchronous ``cudaMemcpy`` on the legacy default stream, i.e. behind every
+kernel the model has queued there (FIELD-NOTES: 25 ms became 423 ms). The CPU path
+runs the same steps, with a short-lived thread in place of the stream.
 """
 from __future__ import annotations
 
@@ -43,15 +51,52 @@ def uniform_block(caches: Sequence[torch.Tensor]) -> Optional[torch.Size]:
 
 
 def _block_buffer(caches: Sequence[torch.Tensor], blocks: int) -> torch.Tensor:
-    return torch.empty((blocks, *caches[0].shape[1:]), dtype=caches[0].dtype, device=caches[0].device)
+    """Host memory for ``blocks`` blocks: pinned when the caches live on a device, so
+    the copies to and from it are asynchronous DMA (or kernel) copies."""
+    on_device = caches[0].device.type != "cpu"
+    return torch.empty((blocks, *caches[0].shape[1:]), dtype=caches[0].dtype, device="cpu",
+                       pin_memory=on_device)
+
+
+class _DeviceCopy:
+    """One ``swap_blocks_batch`` issued on the connector's own CUDA stream; ``result``
+    polls its event (never the model's stream) and returns ``value`` when it is done."""
+
+    def __init__(self, stream: "torch.cuda.Stream", run, value, timeout_s: float) -> None:
+        self._value, self._timeout_s = value, timeout_s
+        with torch.cuda.stream(stream):
+            run()
+            self._event = torch.cuda.Event()
+            self._event.record(stream)
+
+    def result(self):
+        deadline = time.monotonic() + self._timeout_s
+        pause = 20e-6
+        while not self._event.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a staging copy on the connector's stream did not finish "
+                                   f"within {self._timeout_s} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        return self._value
+
+
+def _copy_stream(caches: Sequence[torch.Tensor]) -> Optional["torch.cuda.Stream"]:
+    """The connector-owned non-blocking stream for caches on a CUDA device."""
+    device = caches[0].device
+    if device.type != "cuda":
+        return None
+    return torch.cuda.Stream(device=device)
 
 
 class ConsumerStaging:
     """Consumer side: one staging area per producer connection, scatter on notice."""
 
     def __init__(self, caches: Sequence[torch.Tensor], transport: Transport, slot_bytes: int,
-                 slots: int) -> None:
+                 slots: int, copy_timeout_s: float = 60.0) -> None:
         self._caches = list(caches)
+        self._stream = _copy_stream(caches)
+        self._copy_timeout_s = copy_timeout_s
         self._transport = transport
         block_bytes = caches[0][0].numel() * caches[0].element_size()
         self._slot_blocks = max(1, slot_bytes // block_bytes)
@@ -72,7 +117,10 @@ class ConsumerStaging:
 
     def scatter(self, producer: str, layer: int, slot: int, dst_blocks: List[int]) -> None:
         """Copy slot ``slot`` of ``producer``'s area into ``dst_blocks`` of ``layer``
-        (block ids are checked by swap_blocks_batch; the rest here)."""
+        (block ids are checked by swap_blocks_batch; the rest here). Returns once the
+        copy is complete, so the slot may be acknowledged and a request that ends after
+        it reported finished; on CUDA it runs on the connector's stream, never the
+        decode model's."""
         area = self._areas[producer]
         if not 0 <= layer < len(self._caches):
             raise ValueError(f"scatter: layer {layer} out of range ({len(self._caches)} layers)")
@@ -82,7 +130,11 @@ class ConsumerStaging:
             raise ValueError(f"scatter: {len(dst_blocks)} blocks exceed a slot of {self._slot_blocks}")
         base = slot * self._slot_blocks
         mapping = torch.tensor([[base + k, d] for k, d in enumerate(dst_blocks)], dtype=torch.int64)
-        ops.swap_blocks_batch([area], [self._caches[layer]], mapping)
+        copy = lambda: ops.swap_blocks_batch([area], [self._caches[layer]], mapping)  # noqa: E731
+        if self._stream is None:
+            copy()
+        else:
+            _DeviceCopy(self._stream, copy, None, self._copy_timeout_s).result()
 
     def release(self, producer: str) -> None:
         """The producer's connection ended: unregister its area at once (no new
@@ -106,9 +158,12 @@ class ConsumerStaging:
 class ProducerStaging:
     """Producer side for one peer: local slots mirroring the peer's granted slots."""
 
-    def __init__(self, caches: Sequence[torch.Tensor], transport: Transport, grant: StagingGrant) -> None:
+    def __init__(self, caches: Sequence[torch.Tensor], transport: Transport, grant: StagingGrant,
+                 copy_timeout_s: float = 60.0) -> None:
         self.grant = grant
         self._caches = list(caches)
+        self._stream = _copy_stream(caches)
+        self._copy_timeout_s = copy_timeout_s
         self._transport = transport
         self._buffer = _block_buffer(caches, grant.slots * grant.slot_blocks)
         self._block_bytes = caches[0][0].numel() * caches[0].element_size()
@@ -124,34 +179,38 @@ class ProducerStaging:
     def gather(self, layer: int, slot: int, src_blocks: np.ndarray):
         """Copy ``src_blocks`` of ``layer`` into ``slot``; return the one descriptor
         (src address, dst address, length) that moves the slot to the peer."""
+        return self.gather_async(layer, slot, src_blocks).result()
+
+    def gather_async(self, layer: int, slot: int, src_blocks: np.ndarray):
+        """Start the gather; ``.result()`` waits for it ("staged") and returns the
+        descriptor. CPU: a short-lived thread. CUDA: the connector's stream and an event;
+        the caller has waited for the layer's own event, so the KV write is complete."""
         base = slot * self.grant.slot_blocks
         n = int(src_blocks.size)
         mapping = torch.from_numpy(np.stack([src_blocks, np.arange(base, base + n)], axis=1))
-        ops.swap_blocks_batch([self._caches[layer]], [self._buffer], mapping)
         offset = base * self._block_bytes
-        return (self._buffer.data_ptr() + offset, self.grant.address + offset, n * self._block_bytes)
-
-    def gather_async(self, layer: int, slot: int, src_blocks: np.ndarray) -> "_Gather":
-        """:meth:`gather` on a short-lived thread; ``.result()`` joins it."""
-        return _Gather(self, layer, slot, src_blocks)
+        desc = (self._buffer.data_ptr() + offset, self.grant.address + offset, n * self._block_bytes)
+        copy = lambda: ops.swap_blocks_batch([self._caches[layer]], [self._buffer], mapping)  # noqa: E731
+        if self._stream is None:
+            return _Gather(copy, desc)
+        return _DeviceCopy(self._stream, copy, desc, self._copy_timeout_s)
 
     def close(self) -> None:
         self._transport.unregister(self._buffer.data_ptr())
 
 
 class _Gather:
-    """One gather running on its own thread (the op releases the GIL while copying)."""
+    """One host copy running on its own thread (the op releases the GIL while copying)."""
 
-    def __init__(self, staging: ProducerStaging, layer: int, slot: int, src_blocks: np.ndarray) -> None:
-        self._value = None
+    def __init__(self, run, value) -> None:
+        self._value = value
         self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, args=(staging, layer, slot, src_blocks),
-                                        name="kvops-gather", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(run,), name="kvops-gather", daemon=True)
         self._thread.start()
 
-    def _run(self, staging, layer, slot, src_blocks) -> None:
+    def _run(self, run) -> None:
         try:
-            self._value = staging.gather(layer, slot, src_blocks)
+            run()
         except BaseException as exc:  # handed to the sender by result()
             self._error = exc
 

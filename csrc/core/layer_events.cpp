@@ -42,8 +42,18 @@ LayerEventPool::LayerEventPool(int64_t handle, int64_t num_layers, c10::Device d
       num_layers_(num_layers),
       device_(device),
       events_(std::move(events)),
-      bound_ptrs_(new std::atomic<uintptr_t>[num_layers]) {
-  for (int64_t i = 0; i < num_layers; ++i) bound_ptrs_[i].store(0);
+      bound_ptrs_(new std::atomic<uintptr_t>[num_layers]),
+      pushed_at_(new std::atomic<double>[num_layers]) {
+  for (int64_t i = 0; i < num_layers; ++i) {
+    bound_ptrs_[i].store(0);
+    pushed_at_[i].store(0.0);
+  }
+}
+
+double LayerEventPool::pushed_at(int64_t layer) const {
+  TORCH_CHECK(layer >= 0 && layer < num_layers_, "LayerEvents.pushed_at: layer ", layer,
+              " is out of range for ", num_layers_, " layers");
+  return pushed_at_[layer].load();
 }
 
 void LayerEventPool::bind(int64_t layer, const void* data_ptr) {
@@ -65,6 +75,8 @@ void LayerEventPool::check_binding(int64_t layer, const void* data_ptr) const {
 }
 
 void LayerEventPool::push(int64_t layer) {
+  const auto now = std::chrono::steady_clock::now().time_since_epoch();
+  pushed_at_[layer].store(std::chrono::duration<double>(now).count());
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return;

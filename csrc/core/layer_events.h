@@ -51,6 +51,11 @@ class LayerEventPool {
   // written back only at the end of the graph, after the layer was already sent).
   void bind(int64_t layer, const void* data_ptr);
   void check_binding(int64_t layer, const void* data_ptr) const;
+  // CLOCK_MONOTONIC seconds (Python's time.monotonic/perf_counter on Linux) of the
+  // latest push of `layer`, 0 if never pushed. In eager mode that is when the model
+  // issued the push; under CUDA-graph replay, when the stream reached the host node,
+  // i.e. when the layer's KV write had finished on the device.
+  double pushed_at(int64_t layer) const;
 
  private:
   const int64_t handle_;
@@ -62,6 +67,7 @@ class LayerEventPool {
   std::deque<int64_t> ready_;
   bool closed_ = false;
   std::unique_ptr<std::atomic<uintptr_t>[]> bound_ptrs_;  // 0 = not bound
+  std::unique_ptr<std::atomic<double>[]> pushed_at_;
 };
 
 using DeviceEventsFactory =

@@ -23,3 +23,9 @@ class ConnectorConfig:
     staging_threshold_bytes: int = 256 << 10  # 0 disables staging
     staging_slot_bytes: int = 8 << 20
     staging_slots: int = 4  # per producer on the consumer; in flight before an ack
+    # Device (CUDA) caches go through pinned host staging on a connector-owned stream,
+    # because Mooncake's TCP transport copies device memory with a synchronous
+    # cudaMemcpy on the legacy default stream: behind the whole forward of a model on
+    # that stream. True lets the transport read/write device memory directly: only
+    # where it does so without a host copy (RDMA with GPUDirect).
+    direct_device_reads: bool = False

@@ -56,7 +56,7 @@ class ConsumerSide:
         self._staging: Optional[ConsumerStaging] = None
         if can_stage:
             self._staging = ConsumerStaging(caches, transport, config.staging_slot_bytes,
-                                            config.staging_slots)
+                                            config.staging_slots, copy_timeout_s=config.event_timeout_s)
         # Shared with producers only through peer_info(); never logged.
         self._secret = new_secret()
         self._server = ControlServer(control_host, self._on_control, self._on_producer_gone,

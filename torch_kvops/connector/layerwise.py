@@ -63,18 +63,26 @@ class LayerwiseConnector:
         if len(devices) != 1:
             raise ValueError(f"all KV caches must be on one device, got {sorted(map(str, devices))}")
         device = next(iter(devices))
-        if not self.transport.supports_device(device.type):
+        self._caches = list(kv_caches)
+        if device.type == "cuda" and not self.config.direct_device_reads:
+            if uniform_block(self._caches) is None:
+                raise ValueError("CUDA KV caches go through host staging, which needs one block "
+                                 "shape and dtype in every layer; set ConnectorConfig("
+                                 "direct_device_reads=True) only for a transport that reads "
+                                 "device memory without a host copy")
+        elif not self.transport.supports_device(device.type):
             raise ValueError(f"transport {self.transport.name!r} cannot move {device.type} memory "
-                             "(for CUDA caches install the CUDA build of Mooncake, "
+                             "(for direct device reads install the CUDA build of Mooncake, "
                              "mooncake-transfer-engine)")
         self._layout = KVLayout.of(kv_caches)
-        self._caches = list(kv_caches)
         self._stats = ConnectorStats(len(self._caches))
         self._ledger = RequestLedger(self._stats)
-        for layer in self._layout.layers:
-            base, length = layer.span()
-            self.transport.register(base, length)
-            self._registered.append(base)
+        if device.type != "cuda" or self.config.direct_device_reads:
+            # Staged CUDA caches are never touched by the transport: not registered.
+            for layer in self._layout.layers:
+                base, length = layer.span()
+                self.transport.register(base, length)
+                self._registered.append(base)
         if self.role == "producer":
             self._side = ProducerSide(self.engine_id, self._caches, self._layout, self.transport,
                                       self.config, self._ledger, self._stats, self._can_stage())
@@ -84,10 +92,16 @@ class LayerwiseConnector:
         log.info("%s %s registered %d KV layers", self.role, self.engine_id, len(self._caches))
 
     def _can_stage(self) -> bool:
-        """Staging gathers on the host: CPU caches with one block shape and dtype.
-        (A device-side gather would need its own stream and event.)"""
-        return (self.config.staging_threshold_bytes > 0 and self._caches[0].device.type == "cpu"
-                and uniform_block(self._caches) is not None)
+        """Staging slots hold whole blocks of one shape and dtype. On the CPU it is an
+        optimization for fragmented layers (threshold 0 turns it off); with CUDA caches
+        it keeps the transport off device memory unless direct reads are allowed. (An
+        NPU gather would need its own stream: NPU caches are moved directly.)"""
+        if uniform_block(self._caches) is None:
+            return False
+        device = self._caches[0].device.type
+        if device == "cpu":
+            return self.config.staging_threshold_bytes > 0
+        return device == "cuda" and not self.config.direct_device_reads
 
     def peer_info(self) -> dict:
         """Consumer: JSON-serializable description (addresses, cache layout, and the
@@ -96,6 +110,7 @@ class LayerwiseConnector:
         self._require("consumer", registered=True)
         return {"version": PROTOCOL_VERSION, "engine_id": self.engine_id,
                 "transport": self.transport.name, "data_address": self.transport.address(),
+                "device": self._caches[0].device.type,
                 "control_address": self._side.control_address, "layout": self._layout.to_json(),
                 "secret": self._side.secret}
 
@@ -160,9 +175,13 @@ class LayerwiseConnector:
         return self._ledger.drain()
 
     def last_step_trace(self) -> List[dict]:
-        """Per layer of the last step: when the sender took the push (``pushed``), when
-        the layer's event was complete (``event_ready``) and when its writes returned,
-        i.e. its bytes landed (``landed``); ``time.perf_counter()`` seconds."""
+        """Per layer of the last step, ``time.perf_counter()`` seconds (CLOCK_MONOTONIC):
+        ``pushed``, when the model pushed the layer (eager: when it issued the push;
+        CUDA-graph replay: when the stream reached it, i.e. the KV write had finished);
+        ``taken``, when the sender took it off the ready queue (after the step's
+        ``begin`` round trip); ``event_ready``, when the layer's event was complete;
+        ``staged``, when its last staging slot was gathered (None on the direct path);
+        ``landed``, when its writes returned, i.e. its bytes were in the peer's memory."""
         return self._side.last_step_trace() if isinstance(self._side, ProducerSide) else []
 
     def stats(self) -> dict:

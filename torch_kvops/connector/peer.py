@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -35,6 +35,9 @@ class PeerLink:
         self.data_address = data_address
         self.control = control
         self.staging: Optional[ProducerStaging] = None
+        # Device caches on either side: every layer goes through host staging, so the
+        # transport never touches device memory (see staging.py).
+        self.stage_every_layer = False
         self.dead: Optional[str] = None
         self._transport = transport
         self._config = config
@@ -98,17 +101,19 @@ class PeerLink:
     # ------------------------------------------------------------------ data
 
     def write_layer(self, layer: int, src_blocks: np.ndarray, dst_blocks: np.ndarray,
-                    src, dst, lengths) -> int:
-        """Move one layer's blocks: staged when fragmented and the peer granted slots,
-        else the merged descriptors directly. Returns the number of retries made."""
+                    src, dst, lengths) -> Tuple[int, Optional[float]]:
+        """Move one layer's blocks: through staging when device caches are involved or
+        the layer is fragmented (and the peer granted slots), else the merged
+        descriptors directly. Returns (retries made, when the last slot was staged or
+        None on the direct path)."""
         if self.control.peer_closed():
             raise self.give_up("peer closed its control channel (process gone?)")
         fragmented = lengths.size > 1 and lengths.mean() < self._config.staging_threshold_bytes
-        if self.staging is not None and fragmented:
+        if self.staging is not None and (self.stage_every_layer or fragmented):
             return self._write_staged(layer, src_blocks, dst_blocks)
         retries = self._write(layer, src, dst, lengths)  # numpy: no list round trip
         self._stats.add(bytes_sent=int(lengths.sum()))
-        return retries
+        return retries, None
 
     def _write(self, layer: int, src, dst, lengths) -> int:
         attempt = 0
@@ -126,18 +131,21 @@ class PeerLink:
                 log.warning("retrying layer %d to %s (attempt %d): %s", layer, self.peer_id, attempt, exc)
                 time.sleep(self._config.retry_backoff_s * (2 ** (attempt - 1)))
 
-    def _write_staged(self, layer: int, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> int:
+    def _write_staged(self, layer: int, src_blocks: np.ndarray,
+                      dst_blocks: np.ndarray) -> Tuple[int, float]:
         """Slot by slot: gather, write, scatter notice. The gather of the next slot runs
         while the current one is on the wire (both release the GIL)."""
         staging = self.staging
         per_slot = staging.grant.slot_blocks
         starts = list(range(0, src_blocks.size, per_slot))
         retries = 0
+        staged_at = 0.0
         slot = self._claim_slot()
         pending = staging.gather_async(layer, slot, src_blocks[:per_slot])
         try:
             for i, start in enumerate(starts):
                 desc, pending = pending.result(), None
+                staged_at = time.perf_counter()
                 following = None
                 if i + 1 < len(starts):
                     following = self._claim_slot()
@@ -152,7 +160,7 @@ class PeerLink:
         finally:
             if pending is not None:
                 pending.result()  # never leave a copy running into a buffer about to be released
-        return retries
+        return retries, staged_at
 
     def _claim_slot(self) -> int:
         """The next staging slot, once the peer has released it (ack)."""

@@ -100,8 +100,17 @@ class ProducerSide:
         peer = PeerLink(info["engine_id"], layout, info["data_address"], control, self._transport,
                         self._config, self._stats, self._stop)
         grant = welcome.get("staging")
+        peer.stage_every_layer = not self._config.direct_device_reads and (
+            self._caches[0].device.type == "cuda" or info.get("device") == "cuda")
+        if peer.stage_every_layer and not (grant and self._can_stage):
+            peer.close()
+            raise ValueError(f"peer {info['engine_id']!r}: device caches need staging (every "
+                             "layer's blocks must share one block shape and dtype on both sides), "
+                             "or ConnectorConfig(direct_device_reads=True) where the transport "
+                             "reads device memory without a host copy (RDMA with GPUDirect)")
         if grant and self._can_stage:
-            peer.staging = ProducerStaging(self._caches, self._transport, StagingGrant(**grant))
+            peer.staging = ProducerStaging(self._caches, self._transport, StagingGrant(**grant),
+                                           copy_timeout_s=self._config.event_timeout_s)
         with self._ledger.lock:
             self._peers[peer.peer_id] = peer
         return peer.peer_id
@@ -218,12 +227,17 @@ class ProducerSide:
                 self._fail_step(step, f"layer {layer}'s event did not complete")
                 return
             t1 = time.perf_counter()
+            staged = []
             for peer_id, blocks, descriptors in by_layer(layer):
                 if peer_id not in step.failed_peers and not self._stop.is_set():
-                    self._write_layer(step, self._peers[peer_id], layer, blocks, descriptors)
+                    staged.append(self._write_layer(step, self._peers[peer_id], layer, blocks,
+                                                    descriptors))
             t2 = time.perf_counter()
             self._stats.layer(layer, t1 - t0, t2 - t1)
-            trace.append({"layer": layer, "pushed": t0, "event_ready": t1, "landed": t2})
+            staged = [t for t in staged if t is not None]
+            trace.append({"layer": layer, "pushed": self._events.pushed_at(layer), "taken": t0,
+                          "event_ready": t1, "staged": max(staged) if staged else None,
+                          "landed": t2})
             self._last_trace = trace
             self._stats.add(layers_sent=1)
             remaining.discard(layer)
@@ -262,12 +276,18 @@ class ProducerSide:
                         src_blocks, dst_blocks)
         return for_layer
 
-    def _write_layer(self, step: _Step, peer: PeerLink, layer: int, blocks, descriptors) -> None:
+    def _write_layer(self, step: _Step, peer: PeerLink, layer: int, blocks,
+                     descriptors) -> Optional[float]:
+        """Write one layer to one peer; returns when it was staged (None: direct path
+        or the peer failed)."""
         try:
-            if peer.write_layer(layer, *blocks, *descriptors):
-                step.retried_peers.add(peer.peer_id)
+            retries, staged_at = peer.write_layer(layer, *blocks, *descriptors)
         except PeerFailed as exc:
             step.failed_peers[peer.peer_id] = str(exc)
+            return None
+        if retries:
+            step.retried_peers.add(peer.peer_id)
+        return staged_at
 
     def _finish_step(self, step: _Step) -> None:
         """Per request: a "chunk landed" notice (all its bytes of this step returned

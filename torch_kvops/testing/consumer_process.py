@@ -13,13 +13,15 @@ import traceback
 from .worker import WorkerProcess, serve
 
 
-def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, transport_kwargs):
+def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, transport_kwargs,
+                  device="cpu"):
     import torch
 
     from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport
 
     try:
-        caches = [torch.full((num_blocks, *block_shape), -7.0) for _ in range(num_layers)]
+        caches = [torch.full((num_blocks, *block_shape), -7.0, device=device)
+                  for _ in range(num_layers)]
         transport = MooncakeTransport(host="127.0.0.1", **transport_kwargs)
         connector = LayerwiseConnector("consumer", transport, ConnectorConfig(**config_kwargs))
         connector.register_kv_caches(caches)
@@ -55,7 +57,7 @@ def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, tran
 
     serve(pipe, {"expect": expect, "wait": wait, "drain": drain, "stats": connector.stats,
                  "resources": process_resources,
-                 "caches": lambda: [c.numpy().copy() for c in caches]}, close)
+                 "caches": lambda: [c.cpu().numpy().copy() for c in caches]}, close)
 
 
 def process_resources() -> dict:
@@ -71,7 +73,7 @@ class ConsumerProcess(WorkerProcess):
     """Handle on a consumer process; ``info`` is its ``peer_info()``."""
 
     def __init__(self, num_layers, num_blocks, block_shape, timeout=60.0, transport_kwargs=None,
-                 **config_kwargs):
+                 device="cpu", **config_kwargs):
         super().__init__(consumer_main, (num_layers, num_blocks, block_shape, config_kwargs,
-                                         transport_kwargs or {}), "consumer", timeout)
+                                         transport_kwargs or {}, device), "consumer", timeout)
         self.info = self.hello
