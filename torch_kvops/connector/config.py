@@ -29,3 +29,8 @@ class ConnectorConfig:
     # that stream. True lets the transport read/write device memory directly: only
     # where it does so without a host copy (RDMA with GPUDirect).
     direct_device_reads: bool = False
+
+    def __post_init__(self) -> None:
+        if self.staging_slots < 2:
+            raise ValueError("staging_slots must be >= 2: one slot group is gathered while the "
+                             f"other is on the wire, got {self.staging_slots}")
