@@ -74,6 +74,13 @@ class ProtocolError(ValueError):
     """A peer broke the control protocol; only its connection is dropped."""
 
 
+def _no_delay(sock: socket.socket) -> None:
+    """Send each notice at once. With Nagle's algorithm a multi-segment message (a
+    ``begin`` listing a few thousand block ids) waits for the peer's delayed ACK: 40 ms
+    per step on Linux loopback, measured as a third of a 4-layer step."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 class Session:
     """One producer connection on the consumer side. ``producer`` is the id the peer
     proved itself as; it is None until the handshake completed."""
@@ -166,6 +173,7 @@ class ControlServer:
             conn.close()
             return
         conn.setblocking(False)
+        _no_delay(conn)
         self._sessions[conn] = Session(self, conn)
         self._selector.register(conn, selectors.EVENT_READ, None)
 
@@ -313,6 +321,7 @@ class ControlClient:
             for attempt in range(self._retries + 1):
                 try:
                     self._sock = socket.create_connection(self._target, timeout=self._timeout_s)
+                    _no_delay(self._sock)
                     return
                 except OSError as exc:
                     last = exc

@@ -22,7 +22,7 @@ class ConnectorConfig:
     # descriptors average fewer bytes than the threshold goes through staging slots.
     staging_threshold_bytes: int = 256 << 10  # 0 disables staging
     staging_slot_bytes: int = 8 << 20
-    staging_slots: int = 4  # per producer on the consumer; in flight before an ack
+    staging_slots: int = 8  # per producer on the consumer; in flight before an ack
     # Device (CUDA) caches go through pinned host staging on a connector-owned stream,
     # because Mooncake's TCP transport copies device memory with a synchronous
     # cudaMemcpy on the legacy default stream: behind the whole forward of a model on
