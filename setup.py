@@ -3,6 +3,7 @@ found, NPU when torch_npu and the CANN toolkit are found."""
 import glob
 import os
 import shutil
+import sys
 
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
@@ -34,9 +35,24 @@ def npu_available():
     return bool(os.environ.get("ASCEND_TOOLKIT_HOME") or os.environ.get("ASCEND_HOME_PATH"))
 
 
+def openmp_flags():
+    """at::parallel_for is a header template: its `#pragma omp parallel` is compiled into
+    this extension, and without -fopenmp it silently runs on one thread (the CPU copy
+    then ignores torch.get_num_threads()). Linking -fopenmp adds NEEDED libgomp.so.1,
+    which resolves to the libgomp torch already loaded (same soname): one thread pool."""
+    if os.environ.get("KVOPS_DISABLE_OPENMP") == "1" or not sys.platform.startswith("linux"):
+        return [], []
+    import torch
+
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return [], []
+    return ["-fopenmp"], ["-fopenmp"]
+
+
 def make_extension():
     srcs = sources("torch_bindings.cpp", "core/*.cpp", "cpu/*.cpp")
-    cxx = ["-O3"]
+    omp_compile, omp_link = openmp_flags()
+    cxx = ["-O3"] + omp_compile
     macros = []
     with_cuda, with_npu = cuda_available(), npu_available()
     macros.append(("KVOPS_WITH_CUDA", "1" if with_cuda else "0"))
@@ -57,14 +73,15 @@ def make_extension():
             "torch_kvops._C", srcs, define_macros=macros,
             include_dirs=[os.path.join(ascend, "include"), os.path.join(npu_root, "include")],
             library_dirs=[os.path.join(ascend, "lib64"), os.path.join(npu_root, "lib")],
-            libraries=["ascendcl", "torch_npu", "dl"], extra_compile_args={"cxx": cxx})
+            libraries=["ascendcl", "torch_npu", "dl"], extra_compile_args={"cxx": cxx},
+            extra_link_args=omp_link)
     if with_cuda:
         srcs += sources("cuda/*.cu")
         return CUDAExtension(
             "torch_kvops._C", srcs, define_macros=macros,
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]})
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]}, extra_link_args=omp_link)
     return CppExtension("torch_kvops._C", srcs, define_macros=macros,
-                        extra_compile_args={"cxx": cxx})
+                        extra_compile_args={"cxx": cxx}, extra_link_args=omp_link)
 
 
 def requirements():

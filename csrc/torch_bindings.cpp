@@ -10,6 +10,8 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include "core/block_plan.h"
+#include "core/copy_policy.h"
 #include "core/layer_events.h"
 
 TORCH_LIBRARY(kvops, m) {
@@ -55,7 +57,93 @@ pybind11::dict build_info() {
   return info;
 }
 
+pybind11::dict policy_to_dict(const kvops::CopyPolicy& p) {
+  pybind11::dict d;
+  d["mode"] = kvops::copy_mode_name(p.mode);
+  d["max_ctas"] = p.max_ctas;
+  d["dma_min_bytes"] = p.dma_min_bytes;
+  d["dma_min_bytes_d2d"] = p.dma_min_bytes_d2d;
+  return d;
+}
+
+// Starts from `base` and replaces the fields that are given.
+kvops::CopyPolicy policy_with(kvops::CopyPolicy p, const std::optional<std::string>& mode,
+                              std::optional<int64_t> max_ctas, std::optional<int64_t> dma_min_bytes,
+                              std::optional<int64_t> dma_min_bytes_d2d) {
+  if (mode) p.mode = kvops::parse_copy_mode(*mode, "copy policy mode");
+  if (max_ctas) {
+    TORCH_CHECK(*max_ctas >= 1 && *max_ctas <= (1 << 20),
+                "copy policy: max_ctas must be in [1, 1048576], got ", *max_ctas);
+    p.max_ctas = static_cast<int>(*max_ctas);
+  }
+  if (dma_min_bytes) {
+    TORCH_CHECK(*dma_min_bytes >= 0, "copy policy: dma_min_bytes must be >= 0, got ", *dma_min_bytes);
+    p.dma_min_bytes = static_cast<size_t>(*dma_min_bytes);
+  }
+  if (dma_min_bytes_d2d) {
+    TORCH_CHECK(*dma_min_bytes_d2d >= 0, "copy policy: dma_min_bytes_d2d must be >= 0, got ",
+                *dma_min_bytes_d2d);
+    p.dma_min_bytes_d2d = static_cast<size_t>(*dma_min_bytes_d2d);
+  }
+  return p;
+}
+
+// Test hook: the CUDA copy plan for raw descriptors (merged as the .ptrs op merges
+// them), computed without a GPU. Addresses are never dereferenced.
+pybind11::dict plan_cuda_copy_for_test(const at::Tensor& src_ptrs, const at::Tensor& dst_ptrs,
+                                       const at::Tensor& sizes, bool src_kernel_ok,
+                                       bool dst_kernel_ok, bool device_to_device, bool capturing,
+                                       bool large_params, const std::optional<std::string>& mode,
+                                       std::optional<int64_t> max_ctas,
+                                       std::optional<int64_t> dma_min_bytes,
+                                       std::optional<int64_t> dma_min_bytes_d2d) {
+  const std::vector<kvops::CopyDesc> descs = kvops::plan_ptr_copies(src_ptrs, dst_ptrs, sizes);
+  kvops::CopyContext ctx;
+  ctx.src_kernel_ok = src_kernel_ok;
+  ctx.dst_kernel_ok = dst_kernel_ok;
+  ctx.device_to_device = device_to_device;
+  ctx.capturing = capturing;
+  ctx.large_params = large_params;
+  const kvops::CopyPolicy policy =
+      policy_with(kvops::copy_policy(), mode, max_ctas, dma_min_bytes, dma_min_bytes_d2d);
+  const kvops::CudaCopyPlan plan = kvops::plan_cuda_copy(descs, ctx, policy);
+  namespace py = pybind11;
+  py::list merged, paths, items, launches, dma;
+  for (const auto& d : descs) merged.append(py::make_tuple(d.src, d.dst, d.bytes));
+  for (auto p : plan.path) paths.append(p == kvops::CopyPath::kKernel ? "kernel" : "dma");
+  for (const auto& d : plan.items) items.append(py::make_tuple(d.src, d.dst, d.bytes));
+  for (const auto& d : plan.dma) dma.append(py::make_tuple(d.src, d.dst, d.bytes));
+  for (const auto& l : plan.launches) {
+    py::dict ld;
+    ld["first_item"] = l.first_item;
+    ld["items"] = l.items;
+    ld["grid"] = l.grid;
+    ld["by_value"] = l.by_value;
+    launches.append(ld);
+  }
+  py::dict out;
+  out["descs"] = merged;
+  out["paths"] = paths;
+  out["items"] = items;
+  out["launches"] = launches;
+  out["dma"] = dma;
+  out["kernel_bytes"] = plan.kernel_bytes;
+  out["dma_bytes"] = plan.dma_bytes;
+  out["policy"] = policy_to_dict(policy);
+  return out;
+}
+
 }  // namespace
+
+#if KVOPS_WITH_CUDA
+namespace kvops {
+// csrc/cuda/kvops_cuda.cu: C++ baselines for the benchmark (not part of the op API).
+double bench_memcpy_loop(const at::Tensor& src_ptrs, const at::Tensor& dst_ptrs,
+                         const at::Tensor& sizes);
+double bench_memcpy_batch(const at::Tensor& src_ptrs, const at::Tensor& dst_ptrs,
+                          const at::Tensor& sizes);
+}  // namespace kvops
+#endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -85,4 +173,41 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_events_close", &kvops::close_layer_event_pool, py::arg("handle"),
         py::call_guard<py::gil_scoped_release>());
   m.def("build_info", &build_info);
+
+  // Copy policy of the CUDA backend (torch_kvops.set_copy_policy wraps these).
+  m.def("_get_copy_policy", [] { return policy_to_dict(kvops::copy_policy()); });
+  m.def(
+      "_set_copy_policy",
+      [](const std::optional<std::string>& mode, std::optional<int64_t> max_ctas,
+         std::optional<int64_t> dma_min_bytes, std::optional<int64_t> dma_min_bytes_d2d) {
+        kvops::set_copy_policy(
+            policy_with(kvops::copy_policy(), mode, max_ctas, dma_min_bytes, dma_min_bytes_d2d));
+      },
+      py::arg("mode") = py::none(), py::arg("max_ctas") = py::none(),
+      py::arg("dma_min_bytes") = py::none(), py::arg("dma_min_bytes_d2d") = py::none());
+  m.def("_copy_policy_from_env", [] { return policy_to_dict(kvops::copy_policy_from_env()); });
+  m.def("_plan_cuda_copy", &plan_cuda_copy_for_test, py::arg("src_ptrs"), py::arg("dst_ptrs"),
+        py::arg("sizes"), py::arg("src_kernel_ok") = true, py::arg("dst_kernel_ok") = true,
+        py::arg("device_to_device") = false, py::arg("capturing") = false,
+        py::arg("large_params") = true, py::arg("mode") = py::none(),
+        py::arg("max_ctas") = py::none(), py::arg("dma_min_bytes") = py::none(),
+        py::arg("dma_min_bytes_d2d") = py::none());
+  m.def("_kernel_constants", [] {
+    pybind11::dict d;
+    d["threads"] = kvops::kKernelThreads;
+    d["warps_per_cta"] = kvops::kKernelWarpsPerCta;
+    d["item_bytes"] = kvops::kKernelItemBytes;
+    d["items_by_value_small"] = kvops::kItemsByValueSmall;
+    d["items_by_value_large"] = kvops::kItemsByValueLarge;
+    return d;
+  });
+#if KVOPS_WITH_CUDA
+  // Benchmark baselines written like the engines' own C++ (per-block cudaMemcpyAsync
+  // loop = vLLM's old swap_blocks; cuMemcpyBatchAsync = its swap_blocks_batch). Both
+  // issue on the current stream and return the host submission time in seconds.
+  m.def("_bench_memcpy_loop", &kvops::bench_memcpy_loop, py::arg("src_ptrs"),
+        py::arg("dst_ptrs"), py::arg("sizes"));
+  m.def("_bench_memcpy_batch", &kvops::bench_memcpy_batch, py::arg("src_ptrs"),
+        py::arg("dst_ptrs"), py::arg("sizes"));
+#endif
 }

@@ -141,7 +141,8 @@ for dir in "${PY_INCLUDE_LIST[@]}"; do INCS+=(-isystem "$dir"); done
 WARN=(-Wall -Wextra -Wno-unused-parameter)
 [ "${KVOPS_CHECK_WERROR:-0}" = 1 ] && WARN+=(-Werror)
 # -O0: this checks compilation and linkage, not generated code, and is ~2x faster.
-CXXFLAGS=(-std="$CXX_STD" -fPIC -O0 "${WARN[@]}" "${DEFS[@]}" "${INCS[@]}")
+# -fopenmp as setup.py: at::parallel_for's pragma is compiled into our objects.
+CXXFLAGS=(-std="$CXX_STD" -fPIC -O0 -fopenmp "${WARN[@]}" "${DEFS[@]}" "${INCS[@]}")
 WARN_CSV=$(IFS=,; echo "${WARN[*]}")
 # Same preprocessor setup as torch.utils.cpp_extension's COMMON_NVCC_FLAGS.
 NVCCFLAGS=(-std="$CXX_STD" -O0 -Xcompiler "-fPIC,$WARN_CSV" --expt-relaxed-constexpr
@@ -213,7 +214,7 @@ SO=$BUILD/_C$EXT_SUFFIX
 # --allow-shlib-undefined: the wheel's own dependencies (cuBLAS, cuDNN, NCCL, ... from
 # nvidia-* wheels) are not installed here; their symbols are not ours to check.
 LINK_LOG=$BUILD/link.log
-if ! g++ -shared -o "$SO" "${OBJECTS[@]}" \
+if ! g++ -shared -fopenmp -o "$SO" "${OBJECTS[@]}" \
     -L"$TL" -L"$CUDA_LIBDIR" -L"$PY_LIBDIR" \
     -Wl,--no-undefined -Wl,--allow-shlib-undefined \
     -Wl,-rpath-link,"$TL" -Wl,-rpath-link,"$CUDA_LIBDIR" \
@@ -233,7 +234,8 @@ DEFINED=$(nm -D --defined-only "$SO" | awk '{print $NF}' | sed 's/@.*//')
 NEEDED=$(readelf -d "$SO" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p')
 REQUIRED_SYMBOLS=(cudaGetDriverEntryPointByVersion cudaLaunchHostFunc cudaEventRecordWithFlags
                   cudaMemcpyAsync cudaStreamIsCapturing cudaThreadExchangeStreamCaptureMode
-                  cudaEventQuery cudaPointerGetAttributes)
+                  cudaEventQuery cudaPointerGetAttributes cudaHostAlloc cudaEventSynchronize
+                  __cudaRegisterFunction)  # the last: a kernel of copy_kernel.cu is registered
 for sym in "${REQUIRED_SYMBOLS[@]}"; do
   grep -qx "$sym" <<<"$UNDEFINED" || die "$SO does not reference $sym (CUDA backend incomplete?)"
 done

@@ -279,3 +279,37 @@ def test_bound_layer_rejects_other_tensor():
         torch.ops.kvops.record_layer_event(cache, events.handle, 0)
         with pytest.raises(RuntimeError, match="temporary copy"):
             torch.ops.kvops.record_layer_event(other, events.handle, 0)
+
+
+def test_swap_blocks_batch_blocks_larger_than_a_chunk():
+    # 512 KiB blocks: the byte-range split (a few huge blocks spread over threads).
+    src = make_layers(2, 6, (128, 1024))
+    dst = make_layers(2, 6, (128, 1024), fill=False)
+    mapping = torch.tensor([[0, 5], [1, 0], [4, 2]])
+    expected = reference_swap(src, dst, mapping)
+    torch.ops.kvops.swap_blocks_batch(src, dst, mapping)
+    assert all(torch.equal(d, e) for d, e in zip(dst, expected))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_swap_blocks_batch_thread_counts_and_runs(threads):
+    # Many small blocks over torch's thread pool, with adjacent runs that each thread
+    # merges; layers of different block sizes; 2 MiB in all (above the parallel threshold).
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src = [torch.randn(4096, 256), torch.randint(0, 100, (4096, 3), dtype=torch.int8)]
+        dst = [torch.zeros(4096, 256), torch.zeros(4096, 3, dtype=torch.int8)]
+        runs = torch.stack([torch.arange(100, 1100), torch.arange(2000, 3000)], dim=1)
+        scattered = torch.stack([torch.randperm(1000) + 3000, torch.randperm(1000)], dim=1)
+        mapping = torch.cat([runs, scattered])
+        expected = reference_swap(src, dst, mapping[:50])  # spot check below
+        torch.ops.kvops.swap_blocks_batch(src, dst, mapping)
+        for s, d in zip(src, dst):
+            assert torch.equal(d[mapping[:, 1]], s[mapping[:, 0]])
+            untouched = torch.ones(4096, dtype=torch.bool)
+            untouched[mapping[:, 1]] = False
+            assert torch.count_nonzero(d[untouched]) == 0
+        assert torch.equal(dst[0][mapping[:50, 1]], expected[0][mapping[:50, 1]])
+    finally:
+        torch.set_num_threads(old)

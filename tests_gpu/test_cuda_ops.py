@@ -1,6 +1,8 @@
-"""CUDA backend of the kvops ops: batched copies (batch engine on a side stream, per-copy
-fallback on the legacy default stream and under graph capture), layer events and the
-ready queue, eagerly and inside captured CUDA graphs.
+"""CUDA backend of the kvops ops under the default copy policy (copy kernel for small
+descriptors; DMA for large runs and pageable memory: batch engine on a side stream,
+per-copy on the legacy default stream and under graph capture), layer events and the
+ready queue, eagerly and inside captured CUDA graphs. test_cuda_copy_kernel.py forces
+each copy path.
 
 Needs a GPU and a CUDA build of the extension; skipped where CUDA is unavailable."""
 import threading
@@ -94,8 +96,8 @@ def make_case(direction, layers=3, num_blocks=64, block_shape=(16, 2, 8), dtype=
 
 
 def run_on(stream_kind, fn):
-    """Runs fn with the legacy default stream ("default": per-copy fallback) or a side
-    stream ("side": batch engine) current, then waits for that stream."""
+    """Runs fn with the legacy default stream ("default") or a side stream ("side")
+    current, then waits for that stream."""
     if stream_kind == "default":
         with torch.cuda.stream(torch.cuda.default_stream(DEV)):
             fn()

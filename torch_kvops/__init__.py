@@ -12,6 +12,7 @@ from .events import LayerEvents
 from .plan import TransferRequest
 from .transports import MooncakeTransport, Transport, TransportError
 from .ops import push_layer, record_layer_event, swap_blocks_batch, swap_blocks_batch_ptrs
+from .policy import get_copy_policy, set_copy_policy
 
 __all__ = [
     "ConnectorConfig",
@@ -27,6 +28,8 @@ __all__ = [
     "swap_blocks_batch",
     "swap_blocks_batch_ptrs",
     "build_info",
+    "get_copy_policy",
+    "set_copy_policy",
 ]
 
 

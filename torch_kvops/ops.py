@@ -22,7 +22,10 @@ def swap_blocks_batch(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
     ``dst[i]``; a block is index ``k`` along dim 0. Runs of consecutive blocks are
     merged into one descriptor. Device pairs: CPU->CPU, CUDA<->CUDA, CUDA<->CPU (pin
     the host side for asynchronous copies), NPU<->CPU, NPU<->NPU. Device copies are
-    ordered on the current stream (source read in stream order).
+    ordered on the current stream (source read in stream order). On CUDA, small
+    descriptors are copied by a copy kernel and large merged runs, pageable host memory
+    and other GPUs' memory by DMA (:func:`torch_kvops.set_copy_policy`,
+    ``KVOPS_CUDA_COPY``); the CPU copy runs on torch's intra-op threads.
 
     Everything is validated before any byte moves (list lengths, mapping dtype and
     shape, indices in range, a destination named twice, dtype / bytes-per-block

@@ -78,9 +78,9 @@ void check_ptr_tensor(const at::Tensor& t, const char* name) {
 
 }  // namespace
 
-CopyPlan plan_block_copies(const std::vector<at::Tensor>& src,
-                           const std::vector<at::Tensor>& dst,
-                           const at::Tensor& block_mapping) {
+BlockCopyLayout validate_block_copies(const std::vector<at::Tensor>& src,
+                                      const std::vector<at::Tensor>& dst,
+                                      const at::Tensor& block_mapping) {
   TORCH_CHECK(src.size() == dst.size(), "swap_blocks_batch: src has ", src.size(),
               " tensors but dst has ", dst.size());
   TORCH_CHECK(block_mapping.scalar_type() == at::kLong,
@@ -90,20 +90,20 @@ CopyPlan plan_block_copies(const std::vector<at::Tensor>& src,
   TORCH_CHECK(block_mapping.device().is_cpu(),
               "swap_blocks_batch: block_mapping must be on the CPU, got ", block_mapping.device());
 
-  CopyPlan plan;
-  if (src.empty()) return plan;
+  BlockCopyLayout layout;
+  if (src.empty()) return layout;
   check_same_device(src, "src");
   check_same_device(dst, "dst");
-  plan.src_device = src[0].device();
-  plan.dst_device = dst[0].device();
-  TORCH_CHECK(device_pair_supported(plan.src_device, plan.dst_device),
-              "swap_blocks_batch: unsupported device pair ", plan.src_device, " -> ",
-              plan.dst_device);
+  layout.src_device = src[0].device();
+  layout.dst_device = dst[0].device();
+  TORCH_CHECK(device_pair_supported(layout.src_device, layout.dst_device),
+              "swap_blocks_batch: unsupported device pair ", layout.src_device, " -> ",
+              layout.dst_device);
   for (size_t i = 0; i < src.size(); ++i) check_layer(src[i], dst[i], i);
 
   const at::Tensor mapping = block_mapping.contiguous();
   const int64_t rows = mapping.size(0);
-  if (rows == 0) return plan;
+  if (rows == 0) return layout;
   const int64_t* m = mapping.data_ptr<int64_t>();
 
   // Every index against every layer, before any byte moves: one pass for the extremes,
@@ -146,18 +146,36 @@ CopyPlan plan_block_copies(const std::vector<at::Tensor>& src,
     }
   }
 
-  plan.descs.reserve(static_cast<size_t>(rows) * src.size());
+  layout.layers.reserve(src.size());
   for (size_t i = 0; i < src.size(); ++i) {
-    const size_t bytes = block_bytes(src[i]);
-    const auto s_base = reinterpret_cast<uintptr_t>(src[i].data_ptr());
-    const auto d_base = reinterpret_cast<uintptr_t>(dst[i].data_ptr());
-    const size_t s_stride = src[i].stride(0) * src[i].element_size();
-    const size_t d_stride = dst[i].stride(0) * dst[i].element_size();
+    layout.layers.push_back({reinterpret_cast<uintptr_t>(src[i].data_ptr()),
+                             reinterpret_cast<uintptr_t>(dst[i].data_ptr()),
+                             static_cast<size_t>(src[i].stride(0) * src[i].element_size()),
+                             static_cast<size_t>(dst[i].stride(0) * dst[i].element_size()),
+                             block_bytes(src[i])});
+  }
+  layout.mapping = mapping;
+  layout.rows = rows;
+  return layout;
+}
+
+CopyPlan plan_block_copies(const std::vector<at::Tensor>& src,
+                           const std::vector<at::Tensor>& dst,
+                           const at::Tensor& block_mapping) {
+  const BlockCopyLayout layout = validate_block_copies(src, dst, block_mapping);
+  CopyPlan plan;
+  plan.src_device = layout.src_device;
+  plan.dst_device = layout.dst_device;
+  const int64_t rows = layout.rows;
+  if (rows == 0) return plan;
+  const int64_t* m = layout.rows_ptr();
+  plan.descs.reserve(static_cast<size_t>(rows) * layout.layers.size());
+  for (const LayerCopy& l : layout.layers) {
     for (int64_t r = 0; r < rows; ++r) {
-      append_merged(plan.descs, s_base + m[2 * r] * s_stride, d_base + m[2 * r + 1] * d_stride,
-                    bytes);
+      append_merged(plan.descs, l.src_base + m[2 * r] * l.src_stride,
+                    l.dst_base + m[2 * r + 1] * l.dst_stride, l.bytes);
     }
-    plan.total_bytes += bytes * rows;
+    plan.total_bytes += l.bytes * rows;
   }
   return plan;
 }

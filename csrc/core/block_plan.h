@@ -25,6 +25,32 @@ struct CopyPlan {
   size_t total_bytes = 0;
 };
 
+// A validated call in its compact form: per layer, base addresses, strides of the block
+// dimension and bytes per block; plus the mapping rows. Lets the CPU copy compute each
+// block's addresses on the fly, in parallel, instead of building a descriptor list on
+// one thread first.
+struct LayerCopy {
+  uintptr_t src_base;
+  uintptr_t dst_base;
+  size_t src_stride;  // bytes between blocks
+  size_t dst_stride;
+  size_t bytes;       // per block
+};
+struct BlockCopyLayout {
+  c10::Device src_device{c10::kCPU};
+  c10::Device dst_device{c10::kCPU};
+  std::vector<LayerCopy> layers;
+  at::Tensor mapping;  // contiguous [rows, 2] int64 (kept alive here)
+  int64_t rows = 0;
+  const int64_t* rows_ptr() const { return rows ? mapping.data_ptr<int64_t>() : nullptr; }
+};
+
+// Validates (src, dst, block_mapping) (everything plan_block_copies checks) and returns
+// the compact layout; throws before any byte moves.
+BlockCopyLayout validate_block_copies(const std::vector<at::Tensor>& src,
+                                      const std::vector<at::Tensor>& dst,
+                                      const at::Tensor& block_mapping);
+
 // Validates (src, dst, block_mapping) and returns merged copy descriptors.
 CopyPlan plan_block_copies(const std::vector<at::Tensor>& src,
                            const std::vector<at::Tensor>& dst,

@@ -1,4 +1,5 @@
-// CPU backend: parallel memcpy over merged descriptors, and trivially complete events.
+// CPU backend: block copies split over torch's intra-op thread pool, and trivially complete
+// events.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -78,15 +79,19 @@ void copy_byte_range(const std::vector<CopyDesc>& descs, const std::vector<size_
   }
 }
 
+bool streaming_allowed() {
+  static const bool allow = [] {
+    const char* env = std::getenv("KVOPS_CPU_STREAMING");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  return allow;
+}
+
 void parallel_memcpy(const std::vector<CopyDesc>& descs) {
   std::vector<size_t> offsets(descs.size() + 1, 0);
   for (size_t k = 0; k < descs.size(); ++k) offsets[k + 1] = offsets[k] + descs[k].bytes;
   const size_t total = offsets.back();
-  static const bool allow_streaming = [] {
-    const char* env = std::getenv("KVOPS_CPU_STREAMING");
-    return env == nullptr || std::string(env) != "0";
-  }();
-  const bool streaming = allow_streaming && total >= kStreamingThresholdBytes;
+  const bool streaming = streaming_allowed() && total >= kStreamingThresholdBytes;
   if (total < kParallelThresholdBytes || at::get_num_threads() <= 1) {
     copy_byte_range(descs, offsets, 0, total, streaming);
   } else {
@@ -99,9 +104,77 @@ void parallel_memcpy(const std::vector<CopyDesc>& descs) {
   if (streaming) stream_fence();
 }
 
+// Copies every (layer, row) block of a validated call, the blocks split over torch's
+// intra-op thread pool (at::parallel_for: torch.get_num_threads() threads). Each block's
+// addresses are computed where it is copied, so nothing runs on one thread in
+// proportion to the number of blocks (building a descriptor list first did, and that
+// serial part is what kept 131k small blocks from scaling with cores). Adjacent blocks
+// within a thread's share are merged into one memcpy.
+void copy_layout(const BlockCopyLayout& layout) {
+  const int64_t rows = layout.rows;
+  const int64_t units = rows * static_cast<int64_t>(layout.layers.size());
+  if (units == 0) return;
+  size_t total = 0, largest = 0;
+  for (const LayerCopy& l : layout.layers) {
+    total += l.bytes * rows;
+    largest = std::max(largest, l.bytes);
+  }
+  if (total == 0) return;
+  const bool streaming = streaming_allowed() && total >= kStreamingThresholdBytes;
+  const int64_t* m = layout.rows_ptr();
+  auto copy_units = [&](int64_t lo, int64_t hi) {
+    uintptr_t run_src = 0, run_dst = 0;
+    size_t run_bytes = 0;
+    auto flush = [&] {
+      if (run_bytes == 0) return;
+      auto* d = reinterpret_cast<char*>(run_dst);
+      const auto* s = reinterpret_cast<const char*>(run_src);
+      if (streaming) {
+        stream_copy(d, s, run_bytes);
+      } else {
+        std::memcpy(d, s, run_bytes);
+      }
+      run_bytes = 0;
+    };
+    for (int64_t u = lo; u < hi; ++u) {
+      const LayerCopy& l = layout.layers[static_cast<size_t>(u / rows)];
+      const int64_t r = u % rows;
+      const uintptr_t s = l.src_base + m[2 * r] * l.src_stride;
+      const uintptr_t d = l.dst_base + m[2 * r + 1] * l.dst_stride;
+      if (run_bytes != 0 && s == run_src + run_bytes && d == run_dst + run_bytes) {
+        run_bytes += l.bytes;
+        continue;
+      }
+      flush();
+      run_src = s;
+      run_dst = d;
+      run_bytes = l.bytes;
+    }
+    flush();
+    if (streaming) stream_fence();
+  };
+  if (total < kParallelThresholdBytes || at::get_num_threads() <= 1) {
+    copy_units(0, units);
+    return;
+  }
+  // Grain: about kChunkBytes per task, so thread wake-ups stay small next to the copy.
+  const size_t avg = std::max<size_t>(1, total / static_cast<size_t>(units));
+  const int64_t grain = static_cast<int64_t>(std::max<size_t>(1, kChunkBytes / avg));
+  at::parallel_for(0, units, grain, copy_units);
+}
+
 void swap_blocks_batch_cpu(at::TensorList src, at::TensorList dst, const at::Tensor& mapping) {
-  CopyPlan plan = plan_block_copies(src.vec(), dst.vec(), mapping);
-  parallel_memcpy(plan.descs);
+  const BlockCopyLayout layout = validate_block_copies(src.vec(), dst.vec(), mapping);
+  size_t largest = 0;
+  for (const LayerCopy& l : layout.layers) largest = std::max(largest, l.bytes);
+  if (largest > kChunkBytes) {
+    // Blocks larger than a chunk: split by byte range, so a few huge blocks still
+    // spread over every thread (a block per task would leave threads idle).
+    CopyPlan plan = plan_block_copies(src.vec(), dst.vec(), mapping);
+    parallel_memcpy(plan.descs);
+    return;
+  }
+  copy_layout(layout);
 }
 
 // Raw addresses: a device backend claims them if they are its memory, else host memcpy.

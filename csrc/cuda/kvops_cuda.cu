@@ -1,19 +1,32 @@
 // CUDA backend: batched block copies on the current stream, and per-layer events that
 // work both eagerly and inside captured CUDA graphs.
 //
-// Copy engine (swap_blocks_batch and its .ptrs form):
-//   * Fast path: the driver's cuMemcpyBatchAsync (CUDA 12.8+), one call per slice of at
-//     most kMaxDescriptorsPerCall merged descriptors. It is resolved at run time through
-//     cudaGetDriverEntryPointByVersion, so neither libcuda nor a recent driver is needed
-//     to load this library, and the CUDA 13 (no failIdx) and 12.8 (failIdx) ABIs are
-//     both handled. Source access order is always STREAM: ANY lets the DMA read the
-//     source before earlier work on the stream finished writing it (vllm#39306).
-//   * Fallback: one cudaMemcpyAsync(cudaMemcpyDefault) per descriptor when the stream is
-//     being captured (the batch API cannot be captured and silently drops the copy),
-//     when the stream is the legacy default stream (rejected by the batch API), when the
-//     driver has no batch entry point, or when a batch call fails (re-issuing a slice
-//     copy by copy is idempotent: same bytes, same stream order).
-//   Setting KVOPS_DISABLE_CUDA_BATCH_MEMCPY=1 forces the fallback (debugging aid).
+// Copy engine (swap_blocks_batch and its .ptrs form). core/copy_policy.h picks, per
+// merged descriptor, one of two engines (thresholds and why: docs/ops.md):
+//   * The copy kernel (copy_kernel.cu): descriptors below the DMA threshold whose two
+//     sides the kernel can address (memory of the launching GPU, or pinned host memory
+//     mapped at the same address, checked with cudaPointerGetAttributes). Work items
+//     reach the kernel in its parameters when they fit one launch (up to 1360 items
+//     with 32 KiB parameters, CUDA >= 12.1; else 168); a larger eager batch is copied
+//     into a pinned slot of a ring (PinnedRing, below) and uploaded with a
+//     stream-ordered cudaMemcpyAsync into a buffer of torch's caching allocator, then
+//     one kernel reads that table. While the stream is captured only by-value launches
+//     are used (several if needed): their parameters are copied into the graph, so no
+//     buffer has to outlive the call, and each replay copies the current bytes.
+//   * DMA: large merged runs (the copy engines reach the link there without SMs),
+//     pageable host memory and other GPUs' memory. The driver's cuMemcpyBatchAsync
+//     (CUDA 12.8+), one call per slice of at most kMaxDescriptorsPerCall descriptors,
+//     resolved at run time through cudaGetDriverEntryPointByVersion (neither libcuda
+//     nor a recent driver is needed to load this library; CUDA 13 (no failIdx) and
+//     12.8 (failIdx) ABIs both handled), source access order STREAM (ANY lets the DMA
+//     read the source before earlier work on the stream wrote it, vllm#39306). One
+//     cudaMemcpyAsync per descriptor when the stream is captured (the batch API cannot
+//     be captured and silently drops the copy), on the legacy default stream (rejected
+//     by the batch API), without the driver entry point, or after a refused batch call.
+//   Kernel and DMA parts are issued on the same stream (kernel first). They serialise,
+//   which costs nothing for host<->device copies: both are limited by the same link.
+//   KVOPS_CUDA_COPY=auto|kernel|dma (or torch_kvops.set_copy_policy) forces a path;
+//   KVOPS_DISABLE_CUDA_BATCH_MEMCPY=1 keeps DMA on per-copy cudaMemcpyAsync.
 //
 // Events: one cudaEvent_t per layer (timing disabled). While the stream is captured the
 // record is an external record node (cudaEventRecordExternal), so the host can wait on
@@ -24,12 +37,13 @@
 //
 // This file holds host code only. Its body is skipped in nvcc's device passes
 // (__CUDA_ARCH__ defined), which would otherwise parse all of torch's headers again for
-// nothing: put any future __global__ kernel outside the #ifndef below.
+// nothing: kernels live in copy_kernel.cu, which includes no torch header.
 //
 // Only c10/cuda headers are used (not ATen/cuda/CUDAContext.h, which pulls in cuBLAS and
 // cuSPARSE headers), plus cuda.h for the driver types. Nothing here links libcuda.
 #ifndef __CUDA_ARCH__
 
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -41,15 +55,21 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstddef>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "../core/block_plan.h"
+#include "../core/copy_policy.h"
 #include "../core/layer_events.h"
+#include "copy_kernel.h"
 
 // The batch API needs CUDA 12.8 types (cuda.h) and cudaGetDriverEntryPointByVersion
 // (runtime 12.5+). Older toolkits build the per-copy engine only.
@@ -258,6 +278,228 @@ int where_of(c10::Device device) {
   return device.is_cuda() ? static_cast<int>(device.index()) : kHost;
 }
 
+// ---------------------------------------------------------------------------------
+// Address classification.
+
+// Device ordinal of device / managed memory, kHost for host memory (pageable, or
+// pinned). `known` is false when CUDA could not classify the address. `kernel_ok`: a
+// kernel on device `where` (for host memory: on any device) can dereference the
+// address as it is: device or managed memory, or pinned host memory whose device
+// pointer equals its host pointer (cudaHostAlloc memory under unified addressing; not
+// always memory registered with cudaHostRegister). Pageable memory is never kernel_ok.
+struct AddressKind {
+  int where = kHost;
+  bool known = false;
+  bool kernel_ok = false;
+};
+
+AddressKind classify_address(uintptr_t address) {
+  cudaPointerAttributes attr;
+  std::memset(&attr, 0, sizeof(attr));
+  if (cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(address)) != cudaSuccess) {
+    (void)cudaGetLastError();  // must not leak into a later, unrelated torch check
+    return {kHost, false, false};
+  }
+  if (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) {
+    return {attr.device, true, true};
+  }
+  if (attr.type == cudaMemoryTypeHost) {
+    return {kHost, true, reinterpret_cast<uintptr_t>(attr.devicePointer) == address};
+  }
+  return {kHost, true, false};  // cudaMemoryTypeUnregistered: pageable
+}
+
+// Can a kernel on `device` address this side? Device memory must be that device's own
+// (another GPU's needs peer access: left to DMA); host memory must be kernel_ok.
+bool side_kernel_ok(const AddressKind& kind, int device) {
+  if (!kind.known || !kind.kernel_ok) return false;
+  return kind.where == kHost || kind.where == device;
+}
+
+bool tensors_kernel_ok(at::TensorList tensors, int device) {
+  for (const at::Tensor& t : tensors) {
+    if (t.numel() == 0) continue;  // contributes no descriptor
+    if (t.is_cuda()) {
+      if (t.device().index() != device) return false;
+      continue;
+    }
+    if (!side_kernel_ok(classify_address(reinterpret_cast<uintptr_t>(t.data_ptr())), device)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------
+// Copy kernel: launch parameters and the descriptor upload for large eager batches.
+
+static_assert(sizeof(CopyDesc) == sizeof(cuda_copy::Item) &&
+                  offsetof(CopyDesc, src) == offsetof(cuda_copy::Item, src) &&
+                  offsetof(CopyDesc, dst) == offsetof(cuda_copy::Item, dst) &&
+                  offsetof(CopyDesc, bytes) == offsetof(cuda_copy::Item, bytes),
+              "CopyDesc and cuda_copy::Item must share one layout");
+
+const cuda_copy::Item* as_items(const CopyDesc* descs) {
+  return reinterpret_cast<const cuda_copy::Item*>(descs);
+}
+
+// 32 KiB kernel parameters need CUDA 12.1 in both the runtime we were built with and
+// the driver (and Volta or newer, which every architecture nvcc 12/13 targets is).
+bool large_kernel_params() {
+  static const bool ok = [] {
+#if CUDART_VERSION >= 12010
+    int driver = 0;
+    if (cudaDriverGetVersion(&driver) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return driver >= 12010;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+
+// Switches the calling thread to relaxed capture mode for its lifetime: the ring below
+// may allocate pinned memory and wait on an event, which in the default global mode
+// would invalidate a graph another thread is capturing.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode() {
+    KVOPS_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode_),
+                     "kvops: cannot switch this thread to relaxed capture mode");
+  }
+  ~RelaxedCaptureMode() {
+    if (cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess) (void)cudaGetLastError();
+  }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
+// Pinned staging slots for descriptor tables, one ring per device. A slot is written by
+// the host, uploaded with cudaMemcpyAsync on the caller's stream, and guarded by an
+// event recorded right after that upload: it is rewritten only once the event has
+// completed, so the host never overwrites bytes the copy engine has not read yet. With
+// kSlots slots the host waits only if it runs kSlots large batches ahead of the GPU.
+// Never used under capture (a captured upload would read the slot on every replay).
+// The slots live until process exit: freeing pinned memory at static destruction
+// races the CUDA runtime's own teardown.
+class PinnedRing {
+ public:
+  static PinnedRing& for_device(int device) {
+    static std::mutex registry_mutex;
+    static std::vector<std::unique_ptr<PinnedRing>> rings;
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    if (rings.size() <= static_cast<size_t>(device)) rings.resize(device + 1);
+    if (!rings[device]) rings[device].reset(new PinnedRing());
+    return *rings[device];
+  }
+
+  // Enqueues on `stream` (current device = the ring's device) the upload of
+  // items[0, count) into device_table.
+  void upload(const CopyDesc* items, size_t count, void* device_table, cudaStream_t stream) {
+    const size_t bytes = count * sizeof(CopyDesc);
+    std::lock_guard<std::mutex> lock(mutex_);
+    Slot& slot = slots_[next_];
+    next_ = (next_ + 1) % kSlots;
+    RelaxedCaptureMode relaxed;
+    if (slot.event == nullptr) {
+      KVOPS_CUDA_CHECK(cudaEventCreateWithFlags(&slot.event, cudaEventDisableTiming),
+                       "kvops: cannot create the event of a descriptor upload slot");
+    }
+    if (slot.pending) {
+      KVOPS_CUDA_CHECK(cudaEventSynchronize(slot.event),
+                       "kvops: waiting for an earlier descriptor upload failed");
+      slot.pending = false;
+    }
+    if (slot.capacity < bytes) {
+      if (slot.host != nullptr) {
+        KVOPS_CUDA_CHECK(cudaFreeHost(slot.host), "kvops: cannot free a descriptor upload slot");
+        slot.host = nullptr;
+        slot.capacity = 0;
+      }
+      size_t capacity = size_t{64} << 10;
+      while (capacity < bytes) capacity *= 2;
+      KVOPS_CUDA_CHECK(cudaHostAlloc(&slot.host, capacity, cudaHostAllocDefault),
+                       "kvops: cannot allocate ", capacity,
+                       " bytes of pinned memory for the copy kernel's descriptor table");
+      slot.capacity = capacity;
+    }
+    std::memcpy(slot.host, items, bytes);
+    KVOPS_CUDA_CHECK(cudaMemcpyAsync(device_table, slot.host, bytes, cudaMemcpyHostToDevice, stream),
+                     "kvops: cannot upload ", count, " copy descriptors");
+    const cudaError_t rec = cudaEventRecord(slot.event, stream);
+    if (rec != cudaSuccess) {
+      // The upload is queued but unguarded: abandon (leak) the slot rather than let a
+      // later call overwrite bytes the copy engine may not have read.
+      slot.host = nullptr;
+      slot.capacity = 0;
+      KVOPS_CUDA_CHECK(rec, "kvops: cannot record the event guarding a descriptor upload");
+    }
+    slot.pending = true;
+  }
+
+ private:
+  static constexpr size_t kSlots = 8;
+  struct Slot {
+    void* host = nullptr;
+    size_t capacity = 0;
+    cudaEvent_t event = nullptr;
+    bool pending = false;
+  };
+  std::mutex mutex_;
+  std::array<Slot, kSlots> slots_{};
+  size_t next_ = 0;
+};
+
+// Runs the copy plan's kernel launches on `stream` (current device = `device`).
+void run_kernel_launches(const CudaCopyPlan& plan, int device, cudaStream_t stream,
+                         bool large_params) {
+  for (const KernelLaunch& launch : plan.launches) {
+    const CopyDesc* first = plan.items.data() + launch.first_item;
+    if (launch.by_value) {
+      KVOPS_CUDA_CHECK(cuda_copy::launch_by_value(as_items(first), launch.items, launch.grid,
+                                                  large_params, stream),
+                       "kvops: copy kernel launch (", launch.items, " items, ", launch.grid,
+                       " blocks) failed");
+      continue;
+    }
+    // Stream-ordered: torch's caching allocator hands this block to a later allocation
+    // on the same stream only, i.e. after this kernel, so it may be freed on return.
+    const size_t bytes = launch.items * sizeof(CopyDesc);
+    c10::DataPtr table = c10::cuda::CUDACachingAllocator::get()->allocate(bytes);
+    PinnedRing::for_device(device).upload(first, launch.items, table.get(), stream);
+    KVOPS_CUDA_CHECK(
+        cuda_copy::launch_from_table(static_cast<const cuda_copy::Item*>(table.get()),
+                                     launch.items, launch.grid, stream),
+        "kvops: copy kernel launch (", launch.items, " uploaded items, ", launch.grid,
+        " blocks) failed");
+  }
+}
+
+// Copies `descs` on `stream` of `device` (already current): the kernel's share first,
+// then the DMA share.
+void copy_descs(const std::vector<CopyDesc>& descs, int device, cudaStream_t stream,
+                bool src_kernel_ok, bool dst_kernel_ok, int src_where, int dst_where) {
+  if (descs.empty()) return;
+  CopyContext ctx;
+  ctx.src_kernel_ok = src_kernel_ok;
+  ctx.dst_kernel_ok = dst_kernel_ok;
+  ctx.device_to_device = src_where != kHost && dst_where != kHost;
+  ctx.large_params = large_kernel_params();
+  const CopyPolicy policy = copy_policy();
+  const bool any_kernel = policy.mode != CopyMode::kDma && src_kernel_ok && dst_kernel_ok;
+  // Only a plan that may launch kernels needs to know about capture.
+  ctx.capturing = any_kernel && stream_is_capturing(stream);
+  const CudaCopyPlan plan = plan_cuda_copy(descs, ctx, policy);
+  run_kernel_launches(plan, device, stream, ctx.large_params);
+  copy_on_stream(plan.dma, stream, src_where, dst_where);
+}
+
 void swap_blocks_batch_cuda(at::TensorList src, at::TensorList dst, const at::Tensor& mapping) {
   // Validates everything (including the CUDA<->CUDA / CUDA<->CPU pair) before any copy.
   CopyPlan plan = plan_block_copies(src.vec(), dst.vec(), mapping);
@@ -270,7 +512,15 @@ void swap_blocks_batch_cuda(at::TensorList src, at::TensorList dst, const at::Te
   // Ordered on the current stream of dst's device (src's for device-to-host). A copy
   // from another GPU is not ordered after that GPU's streams: synchronize them first.
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  copy_on_stream(plan.descs, stream, where_of(plan.src_device), where_of(plan.dst_device));
+  const int dev = static_cast<int>(device.index());
+  // Host sides are classified per layer tensor: one pageable layer sends that whole
+  // side to DMA (rare; a kernel touching pageable memory would fault the context).
+  const CopyPolicy policy = copy_policy();
+  const bool want_kernel = policy.mode != CopyMode::kDma;
+  const bool src_ok = want_kernel && tensors_kernel_ok(src, dev);
+  const bool dst_ok = want_kernel && src_ok && tensors_kernel_ok(dst, dev);
+  copy_descs(plan.descs, dev, stream, src_ok, dst_ok, where_of(plan.src_device),
+             where_of(plan.dst_device));
 }
 
 // ---------------------------------------------------------------------------------
@@ -292,34 +542,15 @@ int device_with_context() {
   }
 }
 
-// Device ordinal of device / managed memory, kHost for host memory (pageable, or pinned:
-// a host->host copy is a host memcpy either way). `known` is false when CUDA could not
-// classify the address.
-struct AddressKind {
-  int where = kHost;
-  bool known = false;
-};
-
-AddressKind classify_address(uintptr_t address) {
-  cudaPointerAttributes attr;
-  std::memset(&attr, 0, sizeof(attr));
-  if (cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(address)) != cudaSuccess) {
-    (void)cudaGetLastError();  // must not leak into a later, unrelated torch check
-    return {kHost, false};
-  }
-  if (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) {
-    return {attr.device, true};
-  }
-  return {kHost, true};  // cudaMemoryTypeUnregistered or cudaMemoryTypeHost
-}
-
-// All addresses of one call must be of one kind pair (e.g. all device->host): only the
-// first descriptor is inspected. A call whose two sides are both known host memory is
-// left to the CPU memcpy (returns false). Anything else, device memory on either side
-// or an address CUDA could not classify, is copied with cudaMemcpyDefault semantics
-// (correct for any pair) on the current stream of the device that owns the destination
-// (the source's, for device->host), which is the current device in the usual
-// one-GPU-per-process setup; returns true.
+// All addresses of one call must be of one kind pair (e.g. all device->pinned host):
+// the first and the last descriptor are inspected. A call whose two sides are both
+// known host memory is left to the CPU memcpy (returns false). Anything else, device
+// memory on either side or an address CUDA could not classify, is copied on the
+// current stream of the device that owns the destination (the source's, for
+// device->host), which is the current device in the usual one-GPU-per-process setup;
+// returns true. The kernel is used only where every inspected address of a side is
+// kernel-addressable on that device; everything else goes to DMA (cudaMemcpyDefault
+// semantics, correct for any pair).
 bool cuda_ptr_copier(const std::vector<CopyDesc>& descs) {
   if (descs.empty()) return false;
   // No primary context anywhere: no CUDA allocation can exist, and querying would
@@ -327,18 +558,24 @@ bool cuda_ptr_copier(const std::vector<CopyDesc>& descs) {
   // run on a device that already has one, so they never create a context either.
   const int queried_on = device_with_context();
   if (queried_on < 0) return false;
-  AddressKind src, dst;
+  AddressKind src, dst, src_last, dst_last;
   {
     c10::cuda::CUDAGuard query_guard(static_cast<c10::DeviceIndex>(queried_on));
     src = classify_address(descs.front().src);
     dst = classify_address(descs.front().dst);
+    src_last = descs.size() > 1 ? classify_address(descs.back().src) : src;
+    dst_last = descs.size() > 1 ? classify_address(descs.back().dst) : dst;
   }
   if (src.known && dst.known && src.where == kHost && dst.where == kHost) return false;
   const int owner = dst.where != kHost ? dst.where : src.where != kHost ? src.where : queried_on;
   const auto index = static_cast<c10::DeviceIndex>(owner);
   c10::cuda::CUDAGuard guard(index);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(index).stream();
-  copy_on_stream(descs, stream, src.where, dst.where);
+  const bool src_ok = side_kernel_ok(src, owner) && side_kernel_ok(src_last, owner) &&
+                      src_last.where == src.where;
+  const bool dst_ok = side_kernel_ok(dst, owner) && side_kernel_ok(dst_last, owner) &&
+                      dst_last.where == dst.where;
+  copy_descs(descs, owner, stream, src_ok, dst_ok, src.where, dst.where);
   return true;
 }
 
@@ -485,6 +722,74 @@ struct CudaBackendRegistrar {
 const CudaBackendRegistrar cuda_backend_registrar;
 
 }  // namespace
+
+// ---------------------------------------------------------------------------------
+// Benchmark baselines (torch_kvops._C._bench_*), written as the engines write them:
+// no merging of adjacent descriptors, no validation beyond the argument tensors' form.
+// Both issue on the current stream of the current device and return the host
+// submission time in seconds (the caller times completion with CUDA events).
+
+namespace {
+struct RawDescs {
+  std::vector<CopyDesc> descs;
+};
+
+RawDescs raw_descs(const at::Tensor& src_ptrs, const at::Tensor& dst_ptrs, const at::Tensor& sizes) {
+  // plan_ptr_copies validates the form; its merged output is not what an engine submits.
+  (void)plan_ptr_copies(src_ptrs, dst_ptrs, sizes);
+  const at::Tensor s = src_ptrs.contiguous(), d = dst_ptrs.contiguous(), n = sizes.contiguous();
+  RawDescs out;
+  out.descs.resize(static_cast<size_t>(n.numel()));
+  for (int64_t k = 0; k < n.numel(); ++k) {
+    out.descs[k] = {static_cast<uintptr_t>(s.data_ptr<int64_t>()[k]),
+                    static_cast<uintptr_t>(d.data_ptr<int64_t>()[k]),
+                    static_cast<size_t>(n.data_ptr<int64_t>()[k])};
+  }
+  return out;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+double bench_memcpy_loop(const at::Tensor& src_ptrs, const at::Tensor& dst_ptrs,
+                         const at::Tensor& sizes) {
+  const RawDescs raw = raw_descs(src_ptrs, dst_ptrs, sizes);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const auto t0 = std::chrono::steady_clock::now();
+  copy_one_by_one(raw.descs.data(), raw.descs.size(), 0, stream);
+  return seconds_since(t0);
+}
+
+double bench_memcpy_batch(const at::Tensor& src_ptrs, const at::Tensor& dst_ptrs,
+                          const at::Tensor& sizes) {
+#if KVOPS_CUDA_HAVE_BATCH_API
+  const RawDescs raw = raw_descs(src_ptrs, dst_ptrs, sizes);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const BatchEntry& entry = batch_entry();
+  TORCH_CHECK(entry.available(), "_bench_memcpy_batch: the driver has no cuMemcpyBatchAsync");
+  TORCH_CHECK(!is_legacy_default_stream(stream),
+              "_bench_memcpy_batch: cuMemcpyBatchAsync refuses the legacy default stream; "
+              "run it on a side stream");
+  if (raw.descs.empty()) return 0.0;
+  AddressKind src, dst;
+  src = classify_address(raw.descs.front().src);
+  dst = classify_address(raw.descs.front().dst);
+  std::vector<CUdeviceptr> srcs, dsts;
+  std::vector<size_t> lens;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (size_t begin = 0; begin < raw.descs.size(); begin += kMaxDescriptorsPerCall) {
+    const size_t count = std::min(kMaxDescriptorsPerCall, raw.descs.size() - begin);
+    TORCH_CHECK(copy_batched(entry, raw.descs.data() + begin, count, src.where, dst.where, stream,
+                             srcs, dsts, lens),
+                "_bench_memcpy_batch: cuMemcpyBatchAsync failed");
+  }
+  return seconds_since(t0);
+#else
+  TORCH_CHECK(false, "_bench_memcpy_batch: built without the CUDA 12.8 batch API");
+#endif
+}
 
 TORCH_LIBRARY_IMPL(kvops, CUDA, m) {
   m.impl("swap_blocks_batch", &swap_blocks_batch_cuda);

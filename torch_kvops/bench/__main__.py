@@ -1,6 +1,7 @@
-"""``python -m torch_kvops.bench [--quick] [--only ops,transfer,overlap] [--redraw RESULTS_JSON]``
+"""``python -m torch_kvops.bench [--quick] [--only ops,cuda,transfer,overlap] [--redraw RESULTS_JSON]``
 
-Runs the op benchmarks, the transfer benchmarks and the layer-wise overlap
+Runs the op benchmarks (CPU; CUDA copies against C++ baselines where a GPU exists),
+the transfer benchmarks and the layer-wise overlap
 benchmark. Every figure is a ratio against a baseline measured in the same run, plus
 absolute numbers labelled with the machine. Writes ``bench-results.json``, then a
 timeline PNG of one prefill step (needs matplotlib: ``pip install 'torch_kvops[plot]'``;
@@ -15,6 +16,7 @@ import sys
 import time
 from typing import Optional
 
+from . import cuda_copy as cuda_bench
 from . import ops as ops_bench
 from . import overlap as overlap_bench
 from . import transfer as transfer_bench
@@ -24,7 +26,7 @@ from .common import machine
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="torch_kvops benchmarks")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (under a minute or two)")
-    p.add_argument("--only", default="ops,transfer,overlap")
+    p.add_argument("--only", default="ops,cuda,transfer,overlap")
     p.add_argument("--out", default="bench-results.json")
     p.add_argument("--timeline", default="timeline.png")
     p.add_argument("--redraw", metavar="RESULTS_JSON",
@@ -40,15 +42,24 @@ def main(argv=None) -> int:
             print(f"timeline: {drawn}")
         return 0
     wanted = set(args.only.split(","))
-    unknown = wanted - {"ops", "transfer", "overlap"}
+    unknown = wanted - {"ops", "cuda", "transfer", "overlap"}
     if unknown:
-        p.error(f"--only: unknown benchmark(s) {sorted(unknown)}; choose from ops, transfer, overlap")
+        p.error(f"--only: unknown benchmark(s) {sorted(unknown)}; choose from ops, cuda, transfer, overlap")
     results = {"machine": machine(), "quick": args.quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     print(f"machine: {results['machine']}")
     if "ops" in wanted:
         print("\n== swap_blocks_batch vs hand-written copies (medians of interleaved runs)")
         results["ops"] = ops_bench.run(args.quick)
         ops_bench.print_table(results["ops"])
+    if "cuda" in wanted:
+        import torch
+
+        if torch.cuda.is_available():
+            print("\n== swap_blocks_batch on CUDA vs the limit and C++ baselines (medians, IQR)")
+            results["cuda"] = cuda_bench.run(args.quick)
+            cuda_bench.print_table(results["cuda"])
+        else:
+            print("\n== CUDA copies: skipped, torch.cuda.is_available() is False")
     if "transfer" in wanted:
         print("\n== layer-wise push over Mooncake TCP: contiguous vs fragmented blocks")
         results["transfer"] = transfer_bench.run(args.quick)

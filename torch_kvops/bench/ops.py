@@ -6,8 +6,7 @@ Scenarios (from the op library issue):
   ``index_copy_``;
 - descriptor-bound: 32 layers x 4096 blocks of 512 bytes, vs per-layer
   ``index_copy_`` and a per-block ``copy_`` loop;
-- GPU only: H2D and D2H vs a per-block ``copy_(non_blocking=True)`` loop and one
-  contiguous copy.
+GPU scenarios live in ``cuda_copy.py`` (C++ baselines, not a Python loop).
 """
 from __future__ import annotations
 
@@ -85,11 +84,6 @@ def run(quick: bool = False) -> List[Dict[str, object]]:
         _scenario("descriptor_bound_512B", layers=32, pool_blocks=8192, rows=4096, block_elems=128,
                   repeats=max(3, repeats // 3), per_block_loop=True),
     ]
-    if torch.cuda.is_available():
-        for src, dst in (("cpu", "cuda"), ("cuda", "cpu")):
-            results.append(_scenario(f"{src}_to_{dst}_32KiB", layers=32, pool_blocks=512, rows=256,
-                                     block_elems=8192, repeats=repeats, src_device=src,
-                                     dst_device=dst, per_block_loop=True))
     return results
 
 
