@@ -1,0 +1,168 @@
+"""Worker side: registers vLLM's KV caches with a LayerwiseConnector and drives it
+from vLLM's hooks (start_load_kv -> start_step, save_kv_layer -> the layer-wise push
+ops, wait_for_save, get_finished)."""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Dict, List, Optional, Set, Tuple
+
+import torch
+
+from ...connector import LayerwiseConnector
+from ...plan import TransferRequest
+from ...transports import MooncakeTransport
+from .metadata import KvopsConnectorMetadata, KvopsSettings
+
+log = logging.getLogger(__name__)
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def _layer_index(name: str) -> int:
+    found = _LAYER_INDEX.findall(name)
+    if len(found) != 1:
+        raise ValueError(f"cannot tell the layer index of KV cache {name!r}")
+    return int(found[0])
+
+
+def block_views(name: str, cache: torch.Tensor, num_blocks: int) -> List[torch.Tensor]:
+    """Views of one layer's cache with dim 0 = block and contiguous blocks, which is
+    what LayerwiseConnector moves.
+
+    Supported: ``[num_blocks, ...]`` (vLLM's CPU backend: ``[num_blocks, kv_heads,
+    block_size, 2 * head_size]``) and ``[2, num_blocks, ...]`` (K and V planes, e.g. the
+    flash-attention layout), each with contiguous blocks."""
+    if cache.dim() >= 2 and cache.size(0) == num_blocks and cache[0].is_contiguous():
+        return [cache]
+    if (cache.dim() >= 3 and cache.size(0) == 2 and cache.size(1) == num_blocks
+            and cache[0, 0].is_contiguous() and cache[1, 0].is_contiguous()):
+        return [cache[0], cache[1]]
+    raise ValueError(
+        f"KV cache {name!r}: unsupported layout shape={tuple(cache.shape)} "
+        f"stride={cache.stride()} for {num_blocks} blocks; KvopsLayerwiseConnector needs "
+        "[num_blocks, ...] or [2, num_blocks, ...] with each block contiguous")
+
+
+class KvopsWorker:
+    """One per worker process. ``role`` is "producer" (P) or "consumer" (D)."""
+
+    def __init__(self, settings: KvopsSettings, role: str, num_blocks: int) -> None:
+        self.settings, self.role, self.num_blocks = settings, role, num_blocks
+        self.transport = MooncakeTransport(host=settings.host)
+        self.conn = LayerwiseConnector(role, self.transport, settings.connector_config())
+        self._views: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
+        self._all_views: List[Tuple[int, torch.Tensor]] = []
+        self._step_mode: Optional[str] = None  # push mode of the running step, if any
+        self._peers: Dict[str, str] = {}  # consumer engine id -> peer id
+        # producer: per request id
+        self._tid_to_req: Dict[str, str] = {}
+        self._last_started: Set[str] = set()  # the last chunk was handed to start_step
+        self._outcome: Set[str] = set()  # the producer reported finished or failed
+        self._sched_finished: Set[str] = set()  # the scheduler finished the request
+        self._known: Set[str] = set()  # requests with pushes: their blocks wait for us
+        # consumer
+        self._recv_tid_to_req: Dict[str, str] = {}
+        self._failed_recv: Set[str] = set()
+
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        caches = []
+        for name in sorted(kv_caches, key=_layer_index):
+            views = block_views(name, kv_caches[name], self.num_blocks)
+            self._views[name] = [(len(caches) + i, v) for i, v in enumerate(views)]
+            caches.extend(views)
+        self._all_views = [iv for name in self._views for iv in self._views[name]]
+        self.conn.register_kv_caches(caches)
+        log.info("kvops %s: %d attention layers as %d caches of %s", self.role, len(kv_caches),
+                 len(caches), tuple(caches[0].shape))
+
+    def peer_info(self) -> dict:
+        return self.conn.peer_info()
+
+    # ------------------------------------------------------------------ per step
+
+    def start_load_kv(self, meta: KvopsConnectorMetadata) -> None:
+        if self.role == "consumer":
+            for recv in meta.recv:
+                self._recv_tid_to_req[recv.transfer_id] = recv.req_id
+                self.conn.expect(recv.transfer_id)
+            return
+        requests, modes = [], set()
+        for push in meta.push:
+            peer = self._peer(push.peer_info)
+            self._tid_to_req[push.transfer_id] = push.req_id
+            self._known.add(push.req_id)
+            if push.last_chunk:
+                self._last_started.add(push.req_id)
+            requests.append(TransferRequest(push.transfer_id, peer, push.src_blocks,
+                                            push.dst_blocks, last_chunk=push.last_chunk))
+            modes.add(push.push_mode)
+        if requests:
+            self.conn.start_step(requests)
+            # one mode per step: a step holding any after-forward request pushes after
+            # the forward (a per-request split would need two steps' worth of pushes)
+            self._step_mode = "after_forward" if "after_forward" in modes else "layerwise"
+
+    def _peer(self, info: dict) -> str:
+        peer = self._peers.get(info["engine_id"])
+        if peer is None:
+            peer = self.conn.add_peer(info)  # bounded by control_timeout_s
+            self._peers[info["engine_id"]] = peer
+        return peer
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if self._step_mode != "layerwise":
+            return
+        for index, view in self._views[layer_name]:
+            self.conn.save_kv_layer(index, view)
+
+    def wait_for_save(self) -> None:
+        if self._step_mode is None:
+            return
+        try:
+            if self._step_mode == "after_forward":
+                for index, view in self._all_views:
+                    self.conn.save_kv_layer(index, view)
+            self.conn.wait_for_save(timeout=self.settings.step_timeout_s)
+        finally:
+            self._step_mode = None
+
+    # ------------------------------------------------------------------ completion
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Set[str], Set[str], Set[str]]:
+        """(finished_sending, finished_recving, failed_recving) as vLLM request ids."""
+        done, failed = self.conn.get_finished()
+        if self.role == "consumer":
+            recving, bad = set(), set()
+            for tid in done | failed:
+                req_id = self._recv_tid_to_req.pop(tid, None)
+                if req_id is None:
+                    log.warning("transfer %s finished but no request waits for it", tid)
+                    continue
+                recving.add(req_id)
+                if tid in failed:
+                    bad.add(req_id)
+            return set(), recving, bad
+        for tid in done | failed:
+            req_id = self._tid_to_req.pop(tid, None)
+            if req_id is not None:
+                self._outcome.add(req_id)
+                if tid in failed:
+                    log.warning("push of request %s (transfer %s) failed", req_id, tid)
+        self._sched_finished |= set(finished_req_ids) & self._known
+        # Blocks may be freed once the scheduler finished the request and no push can
+        # still read them: the producer reported it, or its last chunk was never
+        # started (aborted mid-prefill: every started step already returned).
+        sending = {r for r in self._sched_finished
+                   if r in self._outcome or r not in self._last_started}
+        self._sched_finished -= sending
+        self._outcome -= sending
+        self._last_started -= sending
+        self._known -= sending
+        return sending, set(), set()
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        finally:
+            self.transport.close()
