@@ -85,10 +85,17 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
             return None
         return KvopsHandshake(peer_info=self._worker.peer_info())
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM 0.32 calls start_load_kv *after* launching the forward when no load is
+        # synchronous, but the push plan must be in place before the first layer's
+        # save_kv_layer: binding the metadata is the last hook before the forward.
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            assert isinstance(connector_metadata, KvopsConnectorMetadata)
+            self._worker.begin_step(connector_metadata)
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvopsConnectorMetadata)
-        self._worker.start_load_kv(meta)
+        return  # the step began in bind_connector_metadata; D receives pushes passively
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # D waits for whole requests (finished_recving), never per layer

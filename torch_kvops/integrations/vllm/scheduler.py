@@ -137,6 +137,10 @@ class ConsumerScheduler:
         self.peer_info: Optional[dict] = None  # from the worker's handshake
         self._new: List[RecvReq] = []
         self._in_flight: Set[str] = set()  # P may still write into these requests' blocks
+        # prompt tokens D computed itself per remote-prefilled request (reported back in
+        # the output's kv_transfer_params: ~1 when the KV came from P, the whole prompt
+        # when it was recomputed)
+        self._local_prompt: Dict[str, Tuple["Request", int]] = {}
         self.kv_cache_manager: Optional["KVCacheManager"] = None
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
@@ -168,14 +172,23 @@ class ConsumerScheduler:
             "peer": self.peer_info})
         self._new.append(RecvReq(request.request_id, tid))
         self._in_flight.add(request.request_id)
+        self._local_prompt[request.request_id] = (request, 0)
 
     def build_connector_meta(self, out: "SchedulerOutput", meta: KvopsConnectorMetadata) -> None:
         meta.recv, self._new = self._new, []
+        for req_id, num_tokens in out.num_scheduled_tokens.items():
+            entry = self._local_prompt.get(req_id)
+            if entry is not None:
+                req, computed = entry
+                prompt_part = max(0, min(num_tokens, req.num_prompt_tokens - req.num_computed_tokens))
+                self._local_prompt[req_id] = (req, computed + prompt_part)
 
     def request_finished(self, request: "Request") -> Tuple[bool, Optional[Dict[str, Any]]]:
+        entry = self._local_prompt.pop(request.request_id, None)
+        params = None if entry is None else {"kvops_local_prompt_tokens": entry[1]}
         # Finished (e.g. aborted) while P may still push into its blocks: keep them until
         # the worker reports the transfer over (finished_recving; its lease bounds it).
-        return request.request_id in self._in_flight, None
+        return request.request_id in self._in_flight, params
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         self._in_flight -= set(output.finished_recving or ())

@@ -81,7 +81,7 @@ class KvopsWorker:
 
     # ------------------------------------------------------------------ per step
 
-    def start_load_kv(self, meta: KvopsConnectorMetadata) -> None:
+    def begin_step(self, meta: KvopsConnectorMetadata) -> None:
         if self.role == "consumer":
             for recv in meta.recv:
                 self._recv_tid_to_req[recv.transfer_id] = recv.req_id
@@ -98,6 +98,7 @@ class KvopsWorker:
                                             push.dst_blocks, last_chunk=push.last_chunk))
             modes.add(push.push_mode)
         if requests:
+            log.debug("start_step %s", requests)
             self.conn.start_step(requests)
             # one mode per step: a step holding any after-forward request pushes after
             # the forward (a per-request split would need two steps' worth of pushes)
@@ -111,6 +112,7 @@ class KvopsWorker:
         return peer
 
     def save_kv_layer(self, layer_name: str) -> None:
+        log.debug("save_kv_layer %s mode %s", layer_name, self._step_mode)
         if self._step_mode != "layerwise":
             return
         for index, view in self._views[layer_name]:
