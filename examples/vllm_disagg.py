@@ -194,6 +194,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=32, help="CPU attention needs a multiple of 32")
     ap.add_argument("--rounds", type=int, default=1, help="TTFT rounds per prompt and mode")
+    ap.add_argument("--warmup-rounds", type=int, default=1,
+                    help="rounds run first and not timed (first requests pay one-off costs)")
     ap.add_argument("--modes", default="layerwise,after_forward",
                     help="P/D push modes to run (the first one is checked for tokens)")
     ap.add_argument("--lease-s", type=float, default=6.0, help="D gives up on a silent P after this")
@@ -254,19 +256,22 @@ def main(argv: Optional[List[str]] = None) -> dict:
             out["ttft"] = out["t_first"] - sent
             return out
 
-        for rnd in range(args.rounds):
+        for rnd in range(args.warmup_rounds + args.rounds):
+            timed = rnd >= args.warmup_rounds
             for i, n in enumerate(lens):
                 seq += 1
                 sent = time.monotonic()
                 engines["ref"].submit([(f"ref-{seq}", prompts[i], args.new_tokens, None)])
                 ref = engines["ref"].wait_done(f"ref-{seq}", args.timeout)
                 ref_tokens[i] = ref["tokens"]
-                ttft["monolithic"].append(ref["t_first"] - sent)
-                per_len["monolithic"].setdefault(n, []).append(ref["t_first"] - sent)
+                if timed:
+                    ttft["monolithic"].append(ref["t_first"] - sent)
+                    per_len["monolithic"].setdefault(n, []).append(ref["t_first"] - sent)
                 for mode in modes:
                     out = run_pd(i, mode, mode)
-                    ttft[f"pd_{mode}"].append(out["ttft"])
-                    per_len[f"pd_{mode}"].setdefault(n, []).append(out["ttft"])
+                    if timed:
+                        ttft[f"pd_{mode}"].append(out["ttft"])
+                        per_len[f"pd_{mode}"].setdefault(n, []).append(out["ttft"])
                     matches.append(out["tokens"] == ref["tokens"])
                     if out["tokens"] != ref["tokens"]:
                         print(f"[mismatch] len {n} mode {mode}: {out['tokens']} != {ref['tokens']}",
@@ -278,6 +283,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
             "tokens_match": all(matches), "prompts": len(lens), "prompt_lens": lens,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "layers": args.layers, "hidden": args.hidden, "rounds": args.rounds,
+            "warmup_rounds": args.warmup_rounds,
             "ttft_s": {k: spread(v) for k, v in ttft.items() if v},
             "ttft_s_by_len": {k: {str(n): round(statistics.median(v), 4) for n, v in d.items()}
                               for k, d in per_len.items() if d},
