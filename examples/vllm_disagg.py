@@ -100,12 +100,25 @@ def engine_main(pipe, engine_kwargs: dict) -> None:
                         "num_cached_tokens": out.num_cached_tokens,
                         "kv_transfer_params": out.kv_transfer_params,
                         "prompt_len": len(out.prompt_token_ids or []),
-                        "finish_reason": out.outputs[0].finish_reason}))
+                        "finish_reason": out.outputs[0].finish_reason,
+                        "kvops_steps": kvops_steps(out.request_id)}))
             if not outputs:
-                time.sleep(0.0005)  # waiting for remote KV: leave the cores to P
+                # Waiting for remote KV: vLLM steps in a busy loop, which here would take
+                # a core from P (P and D share this machine's two cores).
+                time.sleep(0.002)
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
         raise
+
+
+def kvops_steps(req_id: str) -> list:
+    """Push-step timings of the in-process prefill worker (empty elsewhere)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return []
+    connector = get_kv_transfer_group()
+    return connector.recent_steps(req_id) if hasattr(connector, "recent_steps") else []
 
 
 class Engine:
@@ -180,8 +193,8 @@ def local_prompt_tokens(out: dict) -> int:
 
 
 def spread(values: List[float]) -> dict:
-    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4),
-            "max": round(max(values), 4), "n": len(values)}
+    return {"median": round(statistics.median(values), 5), "min": round(min(values), 5),
+            "max": round(max(values), 5), "n": len(values)}
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
@@ -239,7 +252,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
         ref_tokens: Dict[int, List[int]] = {}
         ttft: Dict[str, List[float]] = {m: [] for m in ["monolithic"] + [f"pd_{m}" for m in modes]}
         per_len: Dict[str, Dict[int, List[float]]] = {k: {} for k in ttft}
-        matches, decode_prefill = [], []
+        matches, decode_prefill, chunks = [], [], []
+        exposed: Dict[str, List[float]] = {m: [] for m in modes}
+        last_layer: Dict[str, List[float]] = {m: [] for m in modes}
+        p_first: Dict[str, List[float]] = {m: [] for m in modes}
         seq = 0
 
         def run_pd(i: int, mode: str, tag: str) -> dict:
@@ -252,8 +268,15 @@ def main(argv: Optional[List[str]] = None) -> dict:
             engines["P"].submit([(tid, prompts[i], 1, {
                 "do_remote_decode": True, "transfer_id": tid, "kvops_push_mode": mode})])
             out = engines["D"].wait_done(tid, args.timeout)
-            engines["P"].wait_done(tid, args.timeout)
+            prefill = engines["P"].wait_done(tid, args.timeout)
             out["ttft"] = out["t_first"] - sent
+            out["p_ttft"] = prefill["t_first"] - sent
+            steps = prefill["kvops_steps"]
+            if not steps or steps[-1]["layers_pushed"] != args.layers:
+                raise RuntimeError(f"{tid}: prefill side recorded no complete push step: {steps}")
+            out["exposed"] = steps[-1]["exposed_after_forward_s"]
+            out["last_layer"] = steps[-1]["last_layer_transfer_s"]
+            out["p_chunks"] = len(steps)
             return out
 
         for rnd in range(args.warmup_rounds + args.rounds):
@@ -270,7 +293,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 for mode in modes:
                     out = run_pd(i, mode, mode)
                     if timed:
+                        exposed[mode].append(out["exposed"])
+                        last_layer[mode].append(out["last_layer"])
                         ttft[f"pd_{mode}"].append(out["ttft"])
+                        p_first[mode].append(out["p_ttft"])
                         per_len[f"pd_{mode}"].setdefault(n, []).append(out["ttft"])
                     matches.append(out["tokens"] == ref["tokens"])
                     if out["tokens"] != ref["tokens"]:
@@ -278,6 +304,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                               file=sys.stderr)
                     if rnd == 0 and mode == modes[0]:
                         decode_prefill.append(local_prompt_tokens(out))
+                        chunks.append(out["p_chunks"])
 
         result.update({
             "tokens_match": all(matches), "prompts": len(lens), "prompt_lens": lens,
@@ -289,6 +316,12 @@ def main(argv: Optional[List[str]] = None) -> dict:
                               for k, d in per_len.items() if d},
             "decode_prefill_tokens": sum(decode_prefill),
             "decode_prefill_tokens_per_prompt": decode_prefill,
+            "prefill_push_steps_per_prompt": chunks,
+            # engine time spent after P's last forward waiting for the push to land
+            "exposed_after_forward_s": {m: spread(v) for m, v in exposed.items() if v},
+            "last_layer_transfer_s": {m: spread(v) for m, v in last_layer.items() if v},
+            # P's own first token (end of its prefill), from the proxy's send
+            "prefill_done_s": {m: spread(v) for m, v in p_first.items() if v},
         })
 
         if args.kill_prefill:

@@ -46,6 +46,8 @@ def test_chunked_prefill_pushed_layer_wise_gives_identical_tokens(disagg_run):
     assert result["decode_prefill_tokens_per_prompt"] == [1] * len(PROMPT_LENS)
     assert result["decode_prefill_tokens"] == len(PROMPT_LENS)
     assert result["ttft_s"]["pd_layerwise"]["n"] == len(PROMPT_LENS)
+    # P pushed each prompt chunk by chunk, as it prefilled it
+    assert result["prefill_push_steps_per_prompt"] == [-(-n // BUDGET) for n in PROMPT_LENS]
 
 
 def test_killed_prefill_engine_gives_a_bounded_recompute_on_decode(disagg_run):

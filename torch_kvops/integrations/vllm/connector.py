@@ -116,6 +116,12 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
 
+    def recent_steps(self, transfer_id: Optional[str] = None) -> list:
+        """Worker side, prefill: per recent push step, the time the engine waited after
+        its forward for the push (``exposed_after_forward_s``) and the last layer's
+        transfer time; for benchmarks and debugging."""
+        return self._worker.recent_steps(transfer_id) if self._worker is not None else []
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()

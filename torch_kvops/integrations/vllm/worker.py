@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import re
+import time
+from collections import deque
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
@@ -54,6 +56,8 @@ class KvopsWorker:
         self._views: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
         self._all_views: List[Tuple[int, torch.Tensor]] = []
         self._step_mode: Optional[str] = None  # push mode of the running step, if any
+        self._step_tids: List[str] = []
+        self._steps: deque = deque(maxlen=256)  # recent push steps, for recent_steps()
         self._peers: Dict[str, str] = {}  # consumer engine id -> peer id
         # producer: per request id
         self._tid_to_req: Dict[str, str] = {}
@@ -103,6 +107,7 @@ class KvopsWorker:
             # one mode per step: a step holding any after-forward request pushes after
             # the forward (a per-request split would need two steps' worth of pushes)
             self._step_mode = "after_forward" if "after_forward" in modes else "layerwise"
+            self._step_tids = [r.req_id for r in requests]
 
     def _peer(self, info: dict) -> str:
         peer = self._peers.get(info["engine_id"])
@@ -121,13 +126,27 @@ class KvopsWorker:
     def wait_for_save(self) -> None:
         if self._step_mode is None:
             return
+        t0 = time.perf_counter()
         try:
             if self._step_mode == "after_forward":
                 for index, view in self._all_views:
                     self.conn.save_kv_layer(index, view)
             self.conn.wait_for_save(timeout=self.settings.step_timeout_s)
         finally:
+            t1 = time.perf_counter()
+            trace = self.conn.last_step_trace()
+            last = max(trace, key=lambda t: t["landed"]) if trace else None
+            self._steps.append({
+                "transfer_ids": self._step_tids, "push_mode": self._step_mode,
+                # what the engine waited for after its forward: the transfer not hidden
+                "exposed_after_forward_s": t1 - t0,
+                "last_layer_transfer_s": (last["landed"] - last["event_ready"]) if last else None,
+                "layers_pushed": len(trace)})
             self._step_mode = None
+
+    def recent_steps(self, transfer_id: Optional[str] = None) -> List[dict]:
+        """Timings of recent push steps (all, or those carrying ``transfer_id``)."""
+        return [s for s in self._steps if transfer_id is None or transfer_id in s["transfer_ids"]]
 
     # ------------------------------------------------------------------ completion
 
