@@ -63,6 +63,11 @@ class ProducerScheduler:
         req_id = request.request_id
         if not params.get("do_remote_decode") or req_id in self._pushes or req_id in self._no_push:
             return 0, False
+        if "transfer_id" not in params:
+            log.error("request %s: do_remote_decode without transfer_id; prefilling without push",
+                      req_id)
+            self._no_push.add(req_id)
+            return 0, False
         tid = str(params["transfer_id"])
         dest = self.server.take(tid)
         if dest is None:
@@ -147,6 +152,11 @@ class ConsumerScheduler:
                                    ) -> Tuple[int, bool]:
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_prefill"):
+            return 0, False
+        if "transfer_id" not in params or "kvops_producer" not in params:
+            log.error("request %s: do_remote_prefill needs transfer_id and kvops_producer; "
+                      "computing the prompt locally", request.request_id)
+            params["do_remote_prefill"] = False
             return 0, False
         # The whole prompt comes from P; vLLM then recomputes the last prompt token to
         # sample the first output token (num_computed_tokens = prompt_len - 1).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
@@ -67,6 +67,12 @@ class KvopsWorker:
         self._known: Set[str] = set()  # requests with pushes: their blocks wait for us
         # consumer
         self._recv_tid_to_req: Dict[str, str] = {}
+        # transfers that ended before their request reached this worker (P was faster
+        # than this engine's step): tid -> ok, matched in begin_step
+        self._early: "OrderedDict[str, bool]" = OrderedDict()
+        self._early_done: Set[str] = set()
+        self._early_failed: Set[str] = set()
+        self._dead_peers: Dict[str, str] = {}  # consumer engine id -> why add_peer failed
         self._failed_recv: Set[str] = set()
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
@@ -88,14 +94,21 @@ class KvopsWorker:
     def begin_step(self, meta: KvopsConnectorMetadata) -> None:
         if self.role == "consumer":
             for recv in meta.recv:
-                self._recv_tid_to_req[recv.transfer_id] = recv.req_id
-                self.conn.expect(recv.transfer_id)
+                early = self._early.pop(recv.transfer_id, None)
+                if early is None:
+                    self._recv_tid_to_req[recv.transfer_id] = recv.req_id
+                    self.conn.expect(recv.transfer_id)
+                else:
+                    (self._early_done if early else self._early_failed).add(recv.req_id)
             return
         requests, modes = [], set()
         for push in meta.push:
-            peer = self._peer(push.peer_info)
-            self._tid_to_req[push.transfer_id] = push.req_id
             self._known.add(push.req_id)
+            peer = self._peer(push.peer_info)
+            if peer is None:  # decode side unreachable: the request's push failed
+                self._outcome.add(push.req_id)
+                continue
+            self._tid_to_req[push.transfer_id] = push.req_id
             if push.last_chunk:
                 self._last_started.add(push.req_id)
             requests.append(TransferRequest(push.transfer_id, peer, push.src_blocks,
@@ -109,11 +122,19 @@ class KvopsWorker:
             self._step_mode = "after_forward" if "after_forward" in modes else "layerwise"
             self._step_tids = [r.req_id for r in requests]
 
-    def _peer(self, info: dict) -> str:
-        peer = self._peers.get(info["engine_id"])
-        if peer is None:
-            peer = self.conn.add_peer(info)  # bounded by control_timeout_s
-            self._peers[info["engine_id"]] = peer
+    def _peer(self, info: dict) -> Optional[str]:
+        """The peer id of a decode instance, connecting on first use; None if it cannot
+        be reached (remembered, so later chunks do not stall the engine again)."""
+        engine_id = info["engine_id"]
+        peer = self._peers.get(engine_id)
+        if peer is None and engine_id not in self._dead_peers:
+            try:
+                peer = self.conn.add_peer(info)  # bounded by control_timeout_s and retries
+            except (ConnectionError, OSError) as exc:
+                log.error("decode instance %s unreachable, its requests fail: %s", engine_id, exc)
+                self._dead_peers[engine_id] = str(exc)
+                return None
+            self._peers[engine_id] = peer
         return peer
 
     def save_kv_layer(self, layer_name: str) -> None:
@@ -154,11 +175,15 @@ class KvopsWorker:
         """(finished_sending, finished_recving, failed_recving) as vLLM request ids."""
         done, failed = self.conn.get_finished()
         if self.role == "consumer":
-            recving, bad = set(), set()
+            recving, bad = self._early_done | self._early_failed, set(self._early_failed)
+            self._early_done, self._early_failed = set(), set()
             for tid in done | failed:
                 req_id = self._recv_tid_to_req.pop(tid, None)
                 if req_id is None:
-                    log.warning("transfer %s finished but no request waits for it", tid)
+                    self._early[tid] = tid in done
+                    if len(self._early) > 10_000:  # a transfer no request here ever claims
+                        dropped, _ = self._early.popitem(last=False)
+                        log.warning("transfer %s ended but no request here claimed it", dropped)
                     continue
                 recving.add(req_id)
                 if tid in failed:
