@@ -256,6 +256,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         exposed: Dict[str, List[float]] = {m: [] for m in modes}
         last_layer: Dict[str, List[float]] = {m: [] for m in modes}
         p_first: Dict[str, List[float]] = {m: [] for m in modes}
+        paired: Dict[tuple, Dict[str, float]] = {}
         seq = 0
 
         def run_pd(i: int, mode: str, tag: str) -> dict:
@@ -290,9 +291,12 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 if timed:
                     ttft["monolithic"].append(ref["t_first"] - sent)
                     per_len["monolithic"].setdefault(n, []).append(ref["t_first"] - sent)
-                for mode in modes:
+                # alternate the order of the modes so that drift in the machine's load
+                # does not favour one of them
+                for mode in (modes if rnd % 2 == 0 else modes[::-1]):
                     out = run_pd(i, mode, mode)
                     if timed:
+                        paired.setdefault((rnd, i), {})[mode] = out["ttft"]
                         exposed[mode].append(out["exposed"])
                         last_layer[mode].append(out["last_layer"])
                         ttft[f"pd_{mode}"].append(out["ttft"])
@@ -323,6 +327,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
             # P's own first token (end of its prefill), from the proxy's send
             "prefill_done_s": {m: spread(v) for m, v in p_first.items() if v},
         })
+        if len(modes) >= 2 and paired:
+            diffs = [p[modes[0]] - p[modes[1]] for p in paired.values()]
+            # the same prompt in the same round: most of the machine's noise cancels
+            result[f"ttft_paired_{modes[0]}_minus_{modes[1]}_s"] = dict(
+                spread(diffs), fraction_lower=round(sum(d < 0 for d in diffs) / len(diffs), 3))
 
         if args.kill_prefill:
             i = max(range(len(lens)), key=lambda k: lens[k])
