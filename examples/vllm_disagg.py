@@ -215,6 +215,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ap.add_argument("--kill-prefill", action="store_true",
                     help="finally kill P in the middle of the longest prompt's prefill")
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--records", action="store_true", help="include every timed request in the JSON")
     args = ap.parse_args(argv)
 
     lens = [int(x) for x in args.prompt_lens.split(",") if x]
@@ -257,6 +258,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         last_layer: Dict[str, List[float]] = {m: [] for m in modes}
         p_first: Dict[str, List[float]] = {m: [] for m in modes}
         paired: Dict[tuple, Dict[str, float]] = {}
+        records: List[dict] = []
         seq = 0
 
         def run_pd(i: int, mode: str, tag: str) -> dict:
@@ -272,6 +274,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
             prefill = engines["P"].wait_done(tid, args.timeout)
             out["ttft"] = out["t_first"] - sent
             out["p_ttft"] = prefill["t_first"] - sent
+            if os.environ.get("KVOPS_LOG_LEVEL") == "DEBUG":
+                print(f"[proxy] {tid} sent {sent:.4f} P first {prefill['t_first']:.4f} "
+                      f"D first {out['t_first']:.4f}", file=sys.stderr)
             steps = prefill["kvops_steps"]
             if not steps or steps[-1]["layers_pushed"] != args.layers:
                 raise RuntimeError(f"{tid}: prefill side recorded no complete push step: {steps}")
@@ -296,6 +301,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 for mode in (modes if rnd % 2 == 0 else modes[::-1]):
                     out = run_pd(i, mode, mode)
                     if timed:
+                        records.append({"len": n, "mode": mode, "ttft": round(out["ttft"], 5),
+                                        "prefill_done": round(out["p_ttft"], 5),
+                                        "exposed": round(out["exposed"], 5)})
                         paired.setdefault((rnd, i), {})[mode] = out["ttft"]
                         exposed[mode].append(out["exposed"])
                         last_layer[mode].append(out["last_layer"])
@@ -327,6 +335,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
             # P's own first token (end of its prefill), from the proxy's send
             "prefill_done_s": {m: spread(v) for m, v in p_first.items() if v},
         })
+        if args.records:
+            result["records"] = records
         if len(modes) >= 2 and paired:
             diffs = [p[modes[0]] - p[modes[1]] for p in paired.values()]
             # the same prompt in the same round: most of the machine's noise cancels

@@ -98,6 +98,7 @@ class KvopsWorker:
                 if early is None:
                     self._recv_tid_to_req[recv.transfer_id] = recv.req_id
                     self.conn.expect(recv.transfer_id)
+                    log.debug("expecting %s at %.4f", recv.transfer_id, time.monotonic())
                 else:
                     (self._early_done if early else self._early_failed).add(recv.req_id)
             return
@@ -115,7 +116,7 @@ class KvopsWorker:
                                             push.dst_blocks, last_chunk=push.last_chunk))
             modes.add(push.push_mode)
         if requests:
-            log.debug("start_step %s", requests)
+            log.debug("start_step %s at %.4f", [r.req_id for r in requests], time.monotonic())
             self.conn.start_step(requests)
             # one mode per step: a step holding any after-forward request pushes after
             # the forward (a per-request split would need two steps' worth of pushes)
@@ -185,6 +186,8 @@ class KvopsWorker:
                         dropped, _ = self._early.popitem(last=False)
                         log.warning("transfer %s ended but no request here claimed it", dropped)
                     continue
+                log.debug("transfer %s landed (%s) at %.4f", tid, "ok" if tid in done else "failed",
+                          time.monotonic())
                 recving.add(req_id)
                 if tid in failed:
                     bad.add(req_id)
