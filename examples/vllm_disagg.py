@@ -326,6 +326,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
             "ttft_s": {k: spread(v) for k, v in ttft.items() if v},
             "ttft_s_by_len": {k: {str(n): round(statistics.median(v), 4) for n, v in d.items()}
                               for k, d in per_len.items() if d},
+            # the least-disturbed run of each: on a shared machine the median carries
+            # other jobs' bursts
+            "ttft_s_by_len_min": {k: {str(n): round(min(v), 4) for n, v in d.items()}
+                                  for k, d in per_len.items() if d},
             "decode_prefill_tokens": sum(decode_prefill),
             "decode_prefill_tokens_per_prompt": decode_prefill,
             "prefill_push_steps_per_prompt": chunks,
