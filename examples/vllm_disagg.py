@@ -69,14 +69,30 @@ def engine_main(pipe, engine_kwargs: dict) -> None:
         pipe.send(("error", traceback.format_exc()))
         raise
     pipe.send(("ready", None))
+    scheduler = engine.engine_core.engine_core.scheduler
+
+    def busy() -> bool:
+        # like vLLM's engine-core loop: keep stepping while the connector still has push
+        # work (finished requests whose blocks wait for the push's acknowledgement)
+        return engine.has_unfinished_requests() or scheduler.has_requests()
+
     first: Dict[str, float] = {}
+    drain_deadline: Optional[float] = None
     try:
         while True:
-            busy = engine.has_unfinished_requests()
-            timeout = 0.0 if busy else 0.05
+            if drain_deadline is not None and (not busy() or time.monotonic() > drain_deadline):
+                pool = scheduler.kv_cache_manager.block_pool
+                pipe.send(("drained", {"idle": not busy(),
+                                       "free_blocks": pool.get_num_free_blocks(),
+                                       "usable_blocks": pool.num_gpu_blocks - 1}))  # - null block
+                drain_deadline = None
+            timeout = 0.0 if busy() else 0.05
             while pipe.poll(timeout):
                 cmd, *args = pipe.recv()
                 timeout = 0.0
+                if cmd == "drain":  # answer once every request and delayed free is done
+                    drain_deadline = time.monotonic() + args[0]
+                    continue
                 if cmd == "stop":
                     engine.engine_core.shutdown()  # closes the KV connector (threads, memory)
                     pipe.send(("stopped", None))
@@ -86,7 +102,7 @@ def engine_main(pipe, engine_kwargs: dict) -> None:
                                               detokenize=False,
                                               extra_args={"kv_transfer_params": params} if params else None)
                     engine.add_request(req_id, {"prompt_token_ids": tokens}, sampling)
-            if not engine.has_unfinished_requests():
+            if not busy():
                 continue
             outputs = engine.step()
             now = time.monotonic()
@@ -155,6 +171,17 @@ class Engine:
             if kind == "done":
                 self.results[rest[0]] = rest[1]
         return self.results.pop(req_id)
+
+    def drain(self, timeout: float) -> dict:
+        """Wait until the engine has no request and no pending block free."""
+        self.pipe.send(("drain", timeout))
+        deadline = time.monotonic() + timeout + 30
+        while True:
+            kind, rest = self._recv(max(0.0, deadline - time.monotonic()))
+            if kind == "drained":
+                return rest[0]
+            if kind == "done":
+                self.results[rest[0]] = rest[1]
 
     def stop(self, timeout: float = 60.0) -> None:
         if self.proc.is_alive():
@@ -346,6 +373,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
             # the same prompt in the same round: most of the machine's noise cancels
             result[f"ttft_paired_{modes[0]}_minus_{modes[1]}_s"] = dict(
                 spread(diffs), fraction_lower=round(sum(d < 0 for d in diffs) / len(diffs), 3))
+
+        # P holds a request's blocks until its push is acknowledged, then frees them all
+        result["prefill_blocks_after_drain"] = engines["P"].drain(30.0)
 
         if args.kill_prefill:
             i = max(range(len(lens)), key=lambda k: lens[k])

@@ -46,6 +46,9 @@ def test_chunked_prefill_pushed_layer_wise_gives_identical_tokens(disagg_run):
     assert result["decode_prefill_tokens_per_prompt"] == [1] * len(PROMPT_LENS)
     assert result["decode_prefill_tokens"] == len(PROMPT_LENS)
     assert result["ttft_s"]["pd_layerwise"]["n"] == len(PROMPT_LENS)
+    # P freed every block once its pushes were acknowledged
+    blocks = result["prefill_blocks_after_drain"]
+    assert blocks["idle"] and blocks["free_blocks"] == blocks["usable_blocks"], blocks
     # P pushed each prompt chunk by chunk, as it prefilled it
     assert result["prefill_push_steps_per_prompt"] == [-(-n // BUDGET) for n in PROMPT_LENS]
 
