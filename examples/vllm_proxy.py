@@ -35,10 +35,18 @@ def make_app(args: argparse.Namespace) -> web.Application:
                             kv_transfer_params={"do_remote_decode": True, "transfer_id": tid})
         prefill_body.pop("stream_options", None)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            # D first: its scheduler posts the destination while P's request is on its way
-            decode = await session.post(f"{args.decode}/v1/completions", json=decode_body)
+            # D first, P right after, without waiting for D's answer (D answers only once
+            # P's KV landed): P waits (bounded) for D's destination if it is faster.
+            decode_call = asyncio.create_task(
+                session.post(f"{args.decode}/v1/completions", json=decode_body))
+            await asyncio.sleep(0)  # let D's request go out first
             prefill = asyncio.create_task(_drain(session, f"{args.prefill}/v1/completions",
                                                  prefill_body))
+            try:
+                decode = await decode_call
+            except BaseException:
+                await prefill  # never leave the prefill call running
+                raise
             try:
                 response = web.StreamResponse(status=decode.status,
                                               headers={"Content-Type": decode.content_type})
