@@ -91,3 +91,118 @@ def test_settings_reject_unknown_keys_and_modes():
         KvopsSettings.from_extra({"push_mode": "eventually"})
     with pytest.raises(TypeError):
         KvopsSettings.from_extra({"connector": {"no_such_field": 1}})
+
+
+class _Request:
+    """The fields of vllm.v1.request.Request the scheduler side reads."""
+
+    def __init__(self, req_id, params, prompt):
+        self.request_id, self.kv_transfer_params = req_id, params
+        self.num_prompt_tokens, self.num_computed_tokens = prompt, 0
+
+
+class _Blocks:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self, req_id):
+        return (self.ids[req_id],)
+
+
+class _Out:
+    def __init__(self, scheduled):
+        self.num_scheduled_tokens = scheduled
+
+
+def _wait_for_destination(sched, req, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sched.get_num_new_matched_tokens(req, 0) == (0, False):
+            return
+        time.sleep(0.01)
+    raise AssertionError("destination never arrived")
+
+
+def test_prefill_scheduler_waits_for_its_destination_then_pushes_each_chunk():
+    from torch_kvops.integrations.vllm.metadata import KvopsConnectorMetadata
+    from torch_kvops.integrations.vllm.scheduler import ProducerScheduler
+
+    sched = ProducerScheduler(KvopsSettings(wait_for_decode_s=30), block_size=32)
+    poster = DestinationPoster(timeout_s=1.0, retries=0)
+    try:
+        sched.kv_cache_manager = _Blocks({"r": [10, 11, 12, 13]})
+        req = _Request("r", {"do_remote_decode": True, "transfer_id": "t"}, prompt=100)
+        assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # not yet: ask later
+        poster.post(sched.server.address, {"transfer_id": "t", "block_ids": [20, 21, 22, 23],
+                                           "start_token": 0, "peer": {"engine_id": "d"}})
+        _wait_for_destination(sched, req)
+        pushes = []
+        for computed, scheduled in [(0, 40), (40, 40), (80, 20), (100, 1)]:  # 3 chunks + decode
+            req.num_computed_tokens = computed
+            meta = KvopsConnectorMetadata()
+            sched.build_connector_meta(_Out({"r": scheduled}), meta)
+            pushes.append([(p.src_blocks, p.dst_blocks, p.last_chunk) for p in meta.push])
+        # a block cut by a chunk boundary (block 1 at token 40) goes again, whole
+        assert pushes == [[([10, 11], [20, 21], False)], [([11, 12], [21, 22], False)],
+                          [([12, 13], [22, 23], True)], []]
+        assert sched.request_finished(req) == (True, None)  # blocks held for the push
+        assert sched.has_pending_push_work()
+
+        class _Output:
+            finished_sending = {"r"}
+        sched.update_connector_output(_Output())
+        assert not sched.has_pending_push_work()
+    finally:
+        poster.close()
+        sched.shutdown()
+
+
+def test_prefill_scheduler_gives_up_waiting_within_its_bound():
+    from torch_kvops.integrations.vllm.scheduler import ProducerScheduler
+
+    sched = ProducerScheduler(KvopsSettings(wait_for_decode_s=0.2), block_size=32)
+    try:
+        req = _Request("r", {"do_remote_decode": True, "transfer_id": "never"}, prompt=64)
+        assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+        time.sleep(0.3)
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # prefill, no push
+        assert sched.request_finished(req) == (False, None)  # nothing pushed: free at once
+    finally:
+        sched.shutdown()
+
+
+def test_decode_scheduler_claims_the_prompt_posts_its_blocks_and_counts_local_tokens():
+    from torch_kvops.integrations.vllm.metadata import KvopsConnectorMetadata
+    from torch_kvops.integrations.vllm.scheduler import ConsumerScheduler
+
+    server = DestinationServer("127.0.0.1", 0)
+    sched = ConsumerScheduler(KvopsSettings())
+    try:
+        sched.peer_info = {"engine_id": "d"}
+        sched.kv_cache_manager = _Blocks({"r": [7, 8, 9, 3]})
+        params = {"do_remote_prefill": True, "transfer_id": "t", "kvops_producer": server.address}
+        req = _Request("r", params, prompt=100)
+        assert sched.get_num_new_matched_tokens(req, 0) == (100, True)
+        sched.update_state_after_alloc(req, None, 100)
+        assert params["do_remote_prefill"] is False  # one transfer per request
+        meta = KvopsConnectorMetadata()
+        sched.build_connector_meta(_Out({}), meta)
+        assert [(r.req_id, r.transfer_id) for r in meta.recv] == [("r", "t")]
+        deadline = time.monotonic() + 5
+        dest = None
+        while dest is None and time.monotonic() < deadline:
+            dest = server.take("t")
+            time.sleep(0.01)
+        assert dest == {"block_ids": [7, 8, 9, 3], "start_token": 0, "peer": {"engine_id": "d"}}
+
+        class _Output:
+            finished_recving = {"r"}
+        sched.update_connector_output(_Output())
+        # vLLM recomputes the last prompt token, then decodes
+        for computed, scheduled in [(99, 1), (100, 1)]:
+            req.num_computed_tokens = computed
+            sched.build_connector_meta(_Out({"r": scheduled}), KvopsConnectorMetadata())
+        assert sched.request_finished(req) == (False, {"kvops_local_prompt_tokens": 1})
+    finally:
+        sched.shutdown()
+        server.close()
