@@ -1,6 +1,6 @@
 """Worker side: registers vLLM's KV caches with a LayerwiseConnector and drives it
-from vLLM's hooks (start_load_kv -> start_step, save_kv_layer -> the layer-wise push
-ops, wait_for_save, get_finished)."""
+from vLLM's hooks (bind_connector_metadata -> start_step / expect, save_kv_layer -> the
+layer-wise push ops, wait_for_save, get_finished)."""
 from __future__ import annotations
 
 import logging
@@ -52,7 +52,11 @@ class KvopsWorker:
     def __init__(self, settings: KvopsSettings, role: str, num_blocks: int) -> None:
         self.settings, self.role, self.num_blocks = settings, role, num_blocks
         self.transport = MooncakeTransport(host=settings.host)
-        self.conn = LayerwiseConnector(role, self.transport, settings.connector_config())
+        try:
+            self.conn = LayerwiseConnector(role, self.transport, settings.connector_config())
+        except BaseException:
+            self.transport.close()
+            raise
         self._views: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
         self._all_views: List[Tuple[int, torch.Tensor]] = []
         self._step_mode: Optional[str] = None  # push mode of the running step, if any
@@ -63,7 +67,7 @@ class KvopsWorker:
         self._tid_to_req: Dict[str, str] = {}
         self._last_started: Set[str] = set()  # the last chunk was handed to start_step
         self._outcome: Set[str] = set()  # the producer reported finished or failed
-        self._sched_finished: Set[str] = set()  # the scheduler finished the request
+        self._sched_finished: Dict[str, float] = {}  # finished by the scheduler, since
         self._known: Set[str] = set()  # requests with pushes: their blocks wait for us
         # consumer
         self._recv_tid_to_req: Dict[str, str] = {}
@@ -139,7 +143,6 @@ class KvopsWorker:
         return peer
 
     def save_kv_layer(self, layer_name: str) -> None:
-        log.debug("save_kv_layer %s mode %s", layer_name, self._step_mode)
         if self._step_mode != "layerwise":
             return
         for index, view in self._views[layer_name]:
@@ -198,13 +201,18 @@ class KvopsWorker:
                 self._outcome.add(req_id)
                 if tid in failed:
                     log.warning("push of request %s (transfer %s) failed", req_id, tid)
-        self._sched_finished |= set(finished_req_ids) & self._known
+        now = time.monotonic()
+        for req_id in set(finished_req_ids) & self._known:
+            self._sched_finished.setdefault(req_id, now)
         # Blocks may be freed once the scheduler finished the request and no push can
-        # still read them: the producer reported it, or its last chunk was never
-        # started (aborted mid-prefill: every started step already returned).
-        sending = {r for r in self._sched_finished
-                   if r in self._outcome or r not in self._last_started}
-        self._sched_finished -= sending
+        # still read them: the producer reported it, or its last chunk was never started
+        # (aborted mid-prefill: every started step already returned; a write of it that
+        # failed may still read its source late, hence the quarantine).
+        quarantine = self.conn.config.quarantine_s
+        sending = {r for r, since in self._sched_finished.items()
+                   if r in self._outcome or (r not in self._last_started and now - since >= quarantine)}
+        for req_id in sending:
+            del self._sched_finished[req_id]
         self._outcome -= sending
         self._last_started -= sending
         self._known -= sending
