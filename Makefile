@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SOURCES := $(shell find csrc -type f) setup.py
 
-.PHONY: setup build test test-gpu demo bench cuda-check wheel-check clean
+.PHONY: setup setup-vllm vllm-demo build test test-gpu demo bench cuda-check wheel-check clean
 
 setup: $(VENV)/.ready
 
@@ -13,11 +13,17 @@ $(VENV)/.ready: scripts/setup_env.sh requirements-dev.txt
 
 build: setup torch_kvops/.built
 
+# vLLM (~3.4 GB) only for the tests and the vLLM example, not for `make demo`.
+setup-vllm: $(VENV)/.vllm-ready
+
+$(VENV)/.vllm-ready: $(VENV)/.ready scripts/setup_vllm.sh requirements-vllm.txt constraints-vllm.txt
+	VENV=$(VENV) bash scripts/setup_vllm.sh
+
 torch_kvops/.built: $(SOURCES)
 	MAX_JOBS=2 $(PY) setup.py -q build_ext --inplace
 	touch $@
 
-test: build
+test: build setup-vllm
 	$(PY) -m pytest -q tests
 
 # GPU-only tests; run where a CUDA device exists (not in CI: CI has no GPU).
@@ -29,6 +35,10 @@ demo: build
 
 bench: build
 	$(PY) -m torch_kvops.bench
+
+# P/D disaggregation with two vLLM engines and KvopsLayerwiseConnector (docs/vllm.md).
+vllm-demo: build setup-vllm
+	$(PY) examples/vllm_disagg.py
 
 # Compiles and links the CUDA backend against the CUDA build of torch on a CPU-only machine.
 cuda-check: setup

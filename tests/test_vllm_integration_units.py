@@ -1,0 +1,208 @@
+"""Pieces of the vLLM integration that need no engine: cache layouts, the decode ->
+prefill side channel (real sockets on loopback), settings."""
+import json
+import socket
+import time
+
+import pytest
+import torch
+
+from torch_kvops.integrations.vllm.metadata import KvopsSettings
+from torch_kvops.integrations.vllm.side_channel import DestinationPoster, DestinationServer
+from torch_kvops.integrations.vllm.worker import block_views
+
+
+def test_block_views_accept_block_major_and_kv_plane_layouts():
+    cpu = torch.zeros(10, 4, 32, 128)  # vLLM CPU backend: [blocks, kv_heads, block, 2*head]
+    assert [v.shape for v in block_views("l0", cpu, 10)] == [cpu.shape]
+    planes = torch.zeros(2, 10, 32, 4, 64)  # [K/V, blocks, ...]
+    k, v = block_views("l0", planes, 10)
+    assert k.shape == (10, 32, 4, 64) and v.data_ptr() == planes[1].data_ptr()
+
+
+@pytest.mark.parametrize("cache", [torch.zeros(4, 10, 8),  # blocks not on dim 0 or 1
+                                   torch.zeros(8, 10, 4).permute(1, 0, 2)])  # strided blocks
+def test_block_views_reject_other_layouts_clearly(cache):
+    with pytest.raises(ValueError, match="unsupported layout"):
+        block_views("model.layers.0.attn", cache, 10)
+
+
+def test_destination_posted_by_decode_is_taken_once_by_prefill():
+    server = DestinationServer("127.0.0.1", 0)
+    poster = DestinationPoster(timeout_s=1.0, retries=0)
+    try:
+        poster.post(server.address, {"transfer_id": "t1", "block_ids": [4, 5], "start_token": 0,
+                                     "peer": {"engine_id": "d"}})
+        deadline = time.monotonic() + 5
+        dest = None
+        while dest is None and time.monotonic() < deadline:
+            dest = server.take("t1")
+            time.sleep(0.01)
+        assert dest == {"block_ids": [4, 5], "start_token": 0, "peer": {"engine_id": "d"}}
+        assert server.take("t1") is None
+        assert poster.failures == 0
+    finally:
+        poster.close()
+        server.close()
+
+
+def _ask(address, payload: bytes) -> bytes:
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=2) as sock:
+        sock.settimeout(2)
+        sock.sendall(payload)
+        return sock.recv(64).strip()
+
+
+def test_side_channel_is_bounded_and_refuses_malformed_messages():
+    server = DestinationServer("127.0.0.1", 0, capacity=2)
+    try:
+        msg = {"block_ids": [1], "start_token": 0, "peer": {}}
+        assert _ask(server.address, b"not json\n") == b"bad"
+        assert _ask(server.address, json.dumps({"transfer_id": "x"}).encode() + b"\n") == b"bad"
+        for tid, answer in [("a", b"ok"), ("b", b"ok"), ("c", b"full")]:
+            assert _ask(server.address, json.dumps(dict(msg, transfer_id=tid)).encode() + b"\n") == answer
+        assert server.take("c") is None and server.take("a") is not None
+    finally:
+        server.close()
+
+
+def test_posting_to_a_dead_prefill_side_gives_up_within_its_bound():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    poster = DestinationPoster(timeout_s=0.5, retries=2)
+    try:
+        start = time.monotonic()
+        poster.post(f"127.0.0.1:{port}", {"transfer_id": "t"})
+        while poster.failures == 0 and time.monotonic() - start < 10:
+            time.sleep(0.01)
+        assert poster.failures == 1
+        assert time.monotonic() - start < 3 * 0.5 + 1.0
+    finally:
+        poster.close()
+
+
+def test_settings_reject_unknown_keys_and_modes():
+    assert KvopsSettings.from_extra({"push_mode": "after_forward"}).push_mode == "after_forward"
+    with pytest.raises(ValueError, match="unknown"):
+        KvopsSettings.from_extra({"pushmode": "layerwise"})
+    with pytest.raises(ValueError, match="push_mode"):
+        KvopsSettings.from_extra({"push_mode": "eventually"})
+    with pytest.raises(TypeError):
+        KvopsSettings.from_extra({"connector": {"no_such_field": 1}})
+
+
+class _Request:
+    """The fields of vllm.v1.request.Request the scheduler side reads."""
+
+    def __init__(self, req_id, params, prompt):
+        self.request_id, self.kv_transfer_params = req_id, params
+        self.num_prompt_tokens, self.num_computed_tokens = prompt, 0
+
+
+class _Blocks:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self, req_id):
+        return (self.ids[req_id],)
+
+
+class _Out:
+    def __init__(self, scheduled):
+        self.num_scheduled_tokens = scheduled
+
+
+def _wait_for_destination(sched, req, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sched.get_num_new_matched_tokens(req, 0) == (0, False):
+            return
+        time.sleep(0.01)
+    raise AssertionError("destination never arrived")
+
+
+def test_prefill_scheduler_waits_for_its_destination_then_pushes_each_chunk():
+    from torch_kvops.integrations.vllm.metadata import KvopsConnectorMetadata
+    from torch_kvops.integrations.vllm.scheduler import ProducerScheduler
+
+    sched = ProducerScheduler(KvopsSettings(wait_for_decode_s=30), block_size=32)
+    poster = DestinationPoster(timeout_s=1.0, retries=0)
+    try:
+        sched.kv_cache_manager = _Blocks({"r": [10, 11, 12, 13]})
+        req = _Request("r", {"do_remote_decode": True, "transfer_id": "t"}, prompt=100)
+        assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # not yet: ask later
+        poster.post(sched.server.address, {"transfer_id": "t", "block_ids": [20, 21, 22, 23],
+                                           "start_token": 0, "peer": {"engine_id": "d"}})
+        _wait_for_destination(sched, req)
+        pushes = []
+        for computed, scheduled in [(0, 40), (40, 40), (80, 20), (100, 1)]:  # 3 chunks + decode
+            req.num_computed_tokens = computed
+            meta = KvopsConnectorMetadata()
+            sched.build_connector_meta(_Out({"r": scheduled}), meta)
+            pushes.append([(p.src_blocks, p.dst_blocks, p.last_chunk) for p in meta.push])
+        # a block cut by a chunk boundary (block 1 at token 40) goes again, whole
+        assert pushes == [[([10, 11], [20, 21], False)], [([11, 12], [21, 22], False)],
+                          [([12, 13], [22, 23], True)], []]
+        assert sched.request_finished(req) == (True, None)  # blocks held for the push
+        assert sched.has_pending_push_work()
+
+        class _Output:
+            finished_sending = {"r"}
+        sched.update_connector_output(_Output())
+        assert not sched.has_pending_push_work()
+    finally:
+        poster.close()
+        sched.shutdown()
+
+
+def test_prefill_scheduler_gives_up_waiting_within_its_bound():
+    from torch_kvops.integrations.vllm.scheduler import ProducerScheduler
+
+    sched = ProducerScheduler(KvopsSettings(wait_for_decode_s=0.2), block_size=32)
+    try:
+        req = _Request("r", {"do_remote_decode": True, "transfer_id": "never"}, prompt=64)
+        assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+        time.sleep(0.3)
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # prefill, no push
+        assert sched.request_finished(req) == (False, None)  # nothing pushed: free at once
+    finally:
+        sched.shutdown()
+
+
+def test_decode_scheduler_claims_the_prompt_posts_its_blocks_and_counts_local_tokens():
+    from torch_kvops.integrations.vllm.metadata import KvopsConnectorMetadata
+    from torch_kvops.integrations.vllm.scheduler import ConsumerScheduler
+
+    server = DestinationServer("127.0.0.1", 0)
+    sched = ConsumerScheduler(KvopsSettings())
+    try:
+        sched.peer_info = {"engine_id": "d"}
+        sched.kv_cache_manager = _Blocks({"r": [7, 8, 9, 3]})
+        params = {"do_remote_prefill": True, "transfer_id": "t", "kvops_producer": server.address}
+        req = _Request("r", params, prompt=100)
+        assert sched.get_num_new_matched_tokens(req, 0) == (100, True)
+        sched.update_state_after_alloc(req, None, 100)
+        assert params["do_remote_prefill"] is False  # one transfer per request
+        meta = KvopsConnectorMetadata()
+        sched.build_connector_meta(_Out({}), meta)
+        assert [(r.req_id, r.transfer_id) for r in meta.recv] == [("r", "t")]
+        deadline = time.monotonic() + 5
+        dest = None
+        while dest is None and time.monotonic() < deadline:
+            dest = server.take("t")
+            time.sleep(0.01)
+        assert dest == {"block_ids": [7, 8, 9, 3], "start_token": 0, "peer": {"engine_id": "d"}}
+
+        class _Output:
+            finished_recving = {"r"}
+        sched.update_connector_output(_Output())
+        # vLLM recomputes the last prompt token, then decodes
+        for computed, scheduled in [(99, 1), (100, 1)]:
+            req.num_computed_tokens = computed
+            sched.build_connector_meta(_Out({"r": scheduled}), KvopsConnectorMetadata())
+        assert sched.request_finished(req) == (False, {"kvops_local_prompt_tokens": 1})
+    finally:
+        sched.shutdown()
+        server.close()

@@ -1,0 +1,166 @@
+"""KvopsLayerwiseConnector: the KVConnectorBase_V1 subclass vLLM loads. It only
+dispatches: scheduler-side calls go to scheduler.py, worker-side calls to worker.py."""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorRole,
+    KVConnectorTransferResults)
+
+from .metadata import KvopsConnectorMetadata, KvopsHandshake, KvopsSettings
+from .scheduler import ConsumerScheduler, ProducerScheduler
+from .worker import KvopsWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+_ROLES = {"kv_producer": "producer", "kv_consumer": "consumer"}
+
+
+class KvopsLayerwiseConnector(KVConnectorBase_V1):
+    """Layer-wise KV push from a prefill engine (``kv_role="kv_producer"``) into a
+    decode engine (``kv_role="kv_consumer"``) over the Mooncake transfer engine.
+
+    Settings come from ``kv_connector_extra_config`` (:class:`KvopsSettings`); the
+    request pairing protocol is described in ``scheduler.py`` and docs/vllm.md.
+    """
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        kv_role = self._kv_transfer_config.kv_role
+        if kv_role not in _ROLES:
+            raise ValueError(f"KvopsLayerwiseConnector needs kv_role kv_producer or kv_consumer, "
+                             f"got {kv_role!r}")
+        if vllm_config.parallel_config.world_size != 1:
+            raise ValueError("KvopsLayerwiseConnector supports one worker per engine "
+                             "(no tensor/pipeline parallelism) in this version")
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        if len(groups) > 1:
+            raise ValueError("KvopsLayerwiseConnector supports one KV cache group "
+                             "(full attention models) in this version")
+        self.settings = KvopsSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        self.kv_role = _ROLES[kv_role]
+        self._scheduler: Optional[ProducerScheduler | ConsumerScheduler] = None
+        self._worker: Optional[KvopsWorker] = None
+        if role == KVConnectorRole.SCHEDULER:
+            block_size = vllm_config.cache_config.block_size
+            self._scheduler = (ProducerScheduler(self.settings, block_size)
+                               if self.kv_role == "producer" else ConsumerScheduler(self.settings))
+        else:
+            self._worker = KvopsWorker(self.settings, self.kv_role, kv_cache_config.num_blocks)
+
+    @property
+    def side_channel_address(self) -> str:
+        """Prefill scheduler: where decode instances post destinations."""
+        if not isinstance(self._scheduler, ProducerScheduler):
+            raise RuntimeError("only the prefill (kv_producer) scheduler has a side channel")
+        return self._scheduler.server.address
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
+        # The push ops themselves are capturable, but vLLM calls save_kv_layer from
+        # Python around the attention op, which full CUDA graphs skip on replay.
+        return True
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
+        if self._worker is None or self.kv_role != "consumer":
+            return None
+        return KvopsHandshake(peer_info=self._worker.peer_info())
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM 0.32 calls start_load_kv *after* launching the forward when no load is
+        # synchronous, but the push plan must be in place before the first layer's
+        # save_kv_layer: binding the metadata is the last hook before the forward.
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            assert isinstance(connector_metadata, KvopsConnectorMetadata)
+            self._worker.begin_step(connector_metadata)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        return  # the step began in bind_connector_metadata; D receives pushes passively
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # D waits for whole requests (finished_recving), never per layer
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        self._worker.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: Set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def recent_steps(self, transfer_id: Optional[str] = None) -> list:
+        """Worker side, prefill: per recent push step, the time the engine waited after
+        its forward for the push (``exposed_after_forward_s``) and the last layer's
+        transfer time; for benchmarks and debugging."""
+        return self._worker.recent_steps(transfer_id) if self._worker is not None else []
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler.kv_cache_manager = kv_cache_manager
+
+    def set_xfer_handshake_metadata(self, metadata: Dict[int, KVConnectorHandshakeMetadata]) -> None:
+        if isinstance(self._scheduler, ConsumerScheduler):
+            if len(metadata) != 1:
+                raise ValueError(f"expected one decode worker's handshake, got {len(metadata)}")
+            (handshake,) = metadata.values()
+            self._scheduler.peer_info = handshake.peer_info
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
+                                   ) -> Tuple[Optional[int], bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        if isinstance(self._scheduler, ConsumerScheduler):
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KvopsConnectorMetadata()
+        self._scheduler.build_connector_meta(scheduler_output, meta)
+        return meta
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: "Request", block_ids: list
+                         ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        return self._scheduler.request_finished(request)
+
+    def has_pending_push_work(self) -> bool:
+        return isinstance(self._scheduler, ProducerScheduler) and self._scheduler.has_pending_push_work()

@@ -1,0 +1,94 @@
+"""Settings and the per-step metadata the scheduler side hands the worker side."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata, KVConnectorMetadata)
+
+from ...connector import ConnectorConfig
+
+PUSH_MODES = ("layerwise", "after_forward")
+
+
+@dataclass
+class KvopsSettings:
+    """``kv_connector_extra_config`` keys (all optional).
+
+    push_mode: "layerwise" pushes each layer as soon as it is written; "after_forward"
+        pushes every layer after the forward (the baseline behaviour of vLLM's P/D
+        connectors, kept for comparison). A request may override it with
+        ``kv_transfer_params["kvops_push_mode"]``.
+    host: address the Mooncake transport and control channel bind to.
+    side_channel_host / side_channel_port: prefill side: where decode instances post the
+        block ids they allocated (port 0 picks a free one; the proxy must know it).
+    wait_for_decode_s: prefill side: how long a request waits for its decode
+        destination before it is prefilled without push (the decode side then fails or
+        recomputes it when its lease expires).
+    step_timeout_s: bound of wait_for_save per step.
+    connector: ConnectorConfig fields (lease_s, transfer_timeout_s, ...).
+    """
+
+    push_mode: str = "layerwise"
+    host: str = "127.0.0.1"
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    wait_for_decode_s: float = 10.0
+    post_timeout_s: float = 2.0
+    post_retries: int = 2
+    step_timeout_s: float = 120.0
+    connector: Dict[str, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def from_extra(extra: Optional[Dict[str, Any]]) -> "KvopsSettings":
+        extra = dict(extra or {})
+        known = set(KvopsSettings.__dataclass_fields__)
+        unknown = set(extra) - known
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
+                             f"known: {sorted(known)}")
+        settings = KvopsSettings(**extra)
+        if settings.push_mode not in PUSH_MODES:
+            raise ValueError(f"push_mode must be one of {PUSH_MODES}, got {settings.push_mode!r}")
+        ConnectorConfig(**settings.connector)  # reject unknown fields now, not in the worker
+        return settings
+
+    def connector_config(self) -> ConnectorConfig:
+        return ConnectorConfig(**self.connector)
+
+
+@dataclass
+class PushReq:
+    """Producer: push these blocks of request ``req_id`` in this step."""
+
+    req_id: str  # this engine's request id
+    transfer_id: str  # shared with the decode side (LayerwiseConnector request id)
+    peer_info: dict
+    src_blocks: List[int]
+    dst_blocks: List[int]
+    last_chunk: bool
+    push_mode: str
+
+
+@dataclass
+class RecvReq:
+    """Consumer: blocks of ``req_id`` will be pushed under ``transfer_id``."""
+
+    req_id: str
+    transfer_id: str
+
+
+class KvopsConnectorMetadata(KVConnectorMetadata):
+    """One scheduler step's transfer work for the worker."""
+
+    def __init__(self) -> None:
+        self.push: List[PushReq] = []
+        self.recv: List[RecvReq] = []
+
+
+@dataclass
+class KvopsHandshake(KVConnectorHandshakeMetadata):
+    """Decode worker -> its scheduler: the consumer's peer_info (addresses, layout)."""
+
+    peer_info: dict

@@ -1,0 +1,207 @@
+"""Scheduler side: pairs a request across the prefill (P) and decode (D) engines and
+decides which blocks P pushes in each step.
+
+Protocol (docs/vllm.md): the proxy sends the request to D with
+``{"do_remote_prefill": true, "transfer_id": T, "kvops_producer": "host:port"}`` and to
+P with ``{"do_remote_decode": true, "transfer_id": T}``. D reports the whole prompt
+as an asynchronous external hit, allocates its blocks, and posts ``{T, block ids,
+peer_info}`` to P's side channel. P does not schedule the request until that
+destination arrived (``get_num_new_matched_tokens`` answers None, so the scheduler
+asks again next step without blocking), at most ``wait_for_decode_s``; then every
+prefill chunk pushes the blocks it wrote into D's blocks at the same positions.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+
+from .metadata import PUSH_MODES, KvopsConnectorMetadata, KvopsSettings, PushReq, RecvReq
+from .side_channel import DestinationPoster, DestinationServer
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _Push:
+    request: "Request"
+    transfer_id: str
+    dst_blocks: List[int]
+    peer_info: dict
+    pushed_tokens: int  # tokens before this were pushed already (or cached on D)
+    push_mode: str
+    emitted: bool = False  # some chunk was handed to the worker
+    done: bool = False  # the last chunk was handed to the worker
+
+
+class ProducerScheduler:
+    """P side: waits for each request's destination, then plans per-chunk pushes."""
+
+    def __init__(self, settings: KvopsSettings, block_size: int) -> None:
+        self.settings, self.block_size = settings, block_size
+        self.server = DestinationServer(settings.side_channel_host, settings.side_channel_port)
+        self._waiting: Dict[str, float] = {}  # req_id -> deadline for its destination
+        self._no_push: Set[str] = set()
+        self._pushes: Dict[str, _Push] = {}
+        self._awaiting_free: Set[str] = set()  # finished, blocks held until the push ends
+        self.kv_cache_manager: Optional["KVCacheManager"] = None
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
+                                   ) -> Tuple[Optional[int], bool]:
+        params = request.kv_transfer_params or {}
+        req_id = request.request_id
+        if not params.get("do_remote_decode") or req_id in self._pushes or req_id in self._no_push:
+            return 0, False
+        if "transfer_id" not in params:
+            log.error("request %s: do_remote_decode without transfer_id; prefilling without push",
+                      req_id)
+            self._no_push.add(req_id)
+            return 0, False
+        tid = str(params["transfer_id"])
+        dest = self.server.take(tid)
+        if dest is None:
+            deadline = self._waiting.setdefault(req_id, time.monotonic() + self.settings.wait_for_decode_s)
+            if time.monotonic() < deadline:
+                return None, False  # ask again next step; the engine loop goes on
+            log.error("request %s (transfer %s): no decode destination within %.1f s; "
+                      "prefilling without push", req_id, tid, self.settings.wait_for_decode_s)
+            self._waiting.pop(req_id, None)
+            self._no_push.add(req_id)
+            return 0, False
+        self._waiting.pop(req_id, None)
+        mode = str(params.get("kvops_push_mode", self.settings.push_mode))
+        if mode not in PUSH_MODES:
+            raise ValueError(f"request {req_id}: kvops_push_mode must be one of {PUSH_MODES}")
+        self._pushes[req_id] = _Push(request, tid, dest["block_ids"], dest["peer"],
+                                     pushed_tokens=dest["start_token"], push_mode=mode)
+        return 0, False
+
+    def build_connector_meta(self, out: "SchedulerOutput", meta: KvopsConnectorMetadata) -> None:
+        for req_id, num_tokens in out.num_scheduled_tokens.items():
+            push = self._pushes.get(req_id)
+            if push is None or push.done:
+                continue
+            req = push.request
+            prompt = req.num_prompt_tokens
+            end = min(req.num_computed_tokens + num_tokens, prompt)
+            if end <= push.pushed_tokens and end < prompt:
+                continue
+            # A block cut by a chunk boundary is pushed again with the next chunk, whole.
+            first, last = push.pushed_tokens // self.block_size, _cdiv(end, self.block_size)
+            src = list(self.kv_cache_manager.get_block_ids(req_id)[0])
+            if last > len(push.dst_blocks) or last > len(src):
+                log.error("request %s: decode side gave %d blocks, %d needed; not pushing",
+                          req_id, len(push.dst_blocks), last)
+                push.done = True
+                continue
+            push.pushed_tokens = end
+            push.done = end >= prompt
+            push.emitted = True
+            meta.push.append(PushReq(req_id, push.transfer_id, push.peer_info, src[first:last],
+                                     push.dst_blocks[first:last], push.done, push.push_mode))
+
+    def request_finished(self, request: "Request") -> Tuple[bool, Optional[Dict[str, Any]]]:
+        req_id = request.request_id
+        self._waiting.pop(req_id, None)
+        self._no_push.discard(req_id)
+        push = self._pushes.pop(req_id, None)
+        if push is None or not push.emitted:
+            return False, None
+        # The worker reports it in finished_sending once its last push returned.
+        self._awaiting_free.add(req_id)
+        return True, None
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        self._awaiting_free -= set(output.finished_sending or ())
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._awaiting_free)
+
+    def shutdown(self) -> None:
+        self.server.close()
+
+
+class ConsumerScheduler:
+    """D side: claims the prompt as an asynchronous external hit, allocates, and posts
+    the destination to the request's prefill side."""
+
+    def __init__(self, settings: KvopsSettings) -> None:
+        self.settings = settings
+        self.poster = DestinationPoster(settings.post_timeout_s, settings.post_retries)
+        self.peer_info: Optional[dict] = None  # from the worker's handshake
+        self._new: List[RecvReq] = []
+        self._in_flight: Set[str] = set()  # P may still write into these requests' blocks
+        # prompt tokens D computed itself per remote-prefilled request (reported back in
+        # the output's kv_transfer_params: ~1 when the KV came from P, the whole prompt
+        # when it was recomputed)
+        self._local_prompt: Dict[str, Tuple["Request", int]] = {}
+        self.kv_cache_manager: Optional["KVCacheManager"] = None
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
+                                   ) -> Tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill"):
+            return 0, False
+        if "transfer_id" not in params or "kvops_producer" not in params:
+            log.error("request %s: do_remote_prefill needs transfer_id and kvops_producer; "
+                      "computing the prompt locally", request.request_id)
+            params["do_remote_prefill"] = False
+            return 0, False
+        # The whole prompt comes from P; vLLM then recomputes the last prompt token to
+        # sample the first output token (num_computed_tokens = prompt_len - 1).
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request
+        if num_external_tokens == 0:
+            return
+        if self.peer_info is None:
+            raise RuntimeError("the decode worker sent no handshake (peer_info)")
+        tid = str(params["transfer_id"])
+        block_ids = list(self.kv_cache_manager.get_block_ids(request.request_id)[0])
+        self.poster.post(str(params["kvops_producer"]), {
+            "transfer_id": tid, "block_ids": block_ids,
+            # tokens before this are local prefix-cache hits on D: P need not push them
+            "start_token": request.num_prompt_tokens - num_external_tokens,
+            "peer": self.peer_info})
+        self._new.append(RecvReq(request.request_id, tid))
+        self._in_flight.add(request.request_id)
+        self._local_prompt[request.request_id] = (request, 0)
+
+    def build_connector_meta(self, out: "SchedulerOutput", meta: KvopsConnectorMetadata) -> None:
+        meta.recv, self._new = self._new, []
+        for req_id, num_tokens in out.num_scheduled_tokens.items():
+            entry = self._local_prompt.get(req_id)
+            if entry is not None:
+                req, computed = entry
+                prompt_part = max(0, min(num_tokens, req.num_prompt_tokens - req.num_computed_tokens))
+                self._local_prompt[req_id] = (req, computed + prompt_part)
+
+    def request_finished(self, request: "Request") -> Tuple[bool, Optional[Dict[str, Any]]]:
+        entry = self._local_prompt.pop(request.request_id, None)
+        params = None if entry is None else {"kvops_local_prompt_tokens": entry[1]}
+        # Finished (e.g. aborted) while P may still push into its blocks: keep them until
+        # the worker reports the transfer over (finished_recving; its lease bounds it).
+        return request.request_id in self._in_flight, params
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        self._in_flight -= set(output.finished_recving or ())
+
+    def shutdown(self) -> None:
+        self.poster.close()
