@@ -63,8 +63,10 @@ class _DeviceCopy:
     polls its event (never the model's stream) and returns ``value`` when it is done."""
 
     def __init__(self, stream: "torch.cuda.Stream", run, value, timeout_s: float) -> None:
-        self._value, self._timeout_s = value, timeout_s
-        with torch.cuda.stream(stream):
+        self._value, self._timeout_s, self._device = value, timeout_s, stream.device
+        # Connector threads start on device 0: without selecting the stream's device,
+        # leaving the stream context would create a CUDA context on GPU 0.
+        with torch.cuda.device(self._device), torch.cuda.stream(stream):
             run()
             self._event = torch.cuda.Event()
             self._event.record(stream)
@@ -72,13 +74,25 @@ class _DeviceCopy:
     def result(self):
         deadline = time.monotonic() + self._timeout_s
         pause = 20e-6
-        while not self._event.query():
+        while not self._done():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"a staging copy on the connector's stream did not finish "
                                    f"within {self._timeout_s} s")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
         return self._value
+
+    def _done(self) -> bool:
+        with torch.cuda.device(self._device):
+            return self._event.query()
+
+
+def _drain(stream: Optional["torch.cuda.Stream"]) -> None:
+    """Before a staging buffer is unregistered and freed: let copies still running on
+    the connector's own stream finish (a timed-out gather may still be writing)."""
+    if stream is not None:
+        with torch.cuda.device(stream.device):
+            stream.synchronize()
 
 
 def _copy_stream(caches: Sequence[torch.Tensor]) -> Optional["torch.cuda.Stream"]:
@@ -149,6 +163,7 @@ class ConsumerStaging:
             self._transport.unregister(area.data_ptr())
 
     def close(self) -> None:
+        _drain(self._stream)
         with self._lock:
             areas, self._areas = list(self._areas.values()), {}
         for area in areas:
@@ -196,6 +211,7 @@ class ProducerStaging:
         return _DeviceCopy(self._stream, copy, desc, self._copy_timeout_s)
 
     def close(self) -> None:
+        _drain(self._stream)
         self._transport.unregister(self._buffer.data_ptr())
 
 

@@ -108,6 +108,8 @@ cudaError_t launch_by_value(const Item* items, size_t count, int grid, bool larg
                             cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
   if (grid < 1) return cudaErrorInvalidValue;
+  // A small batch does not pay for (or, captured, store) 32 KiB of parameters.
+  if (count <= kItemsByValueSmall) return launch<kItemsByValueSmall>(items, count, grid, stream);
 #if CUDART_VERSION >= 12010
   if (large_params) return launch<kItemsByValueLarge>(items, count, grid, stream);
 #endif

@@ -391,9 +391,11 @@ class RelaxedCaptureMode {
 class PinnedRing {
  public:
   static PinnedRing& for_device(int device) {
-    static std::mutex registry_mutex;
-    static std::vector<std::unique_ptr<PinnedRing>> rings;
-    std::lock_guard<std::mutex> lock(registry_mutex);
+    // Never destroyed: a daemon sender thread may still upload during process exit.
+    static auto* registry_mutex = new std::mutex();
+    static auto* rings_ptr = new std::vector<std::unique_ptr<PinnedRing>>();
+    auto& rings = *rings_ptr;
+    std::lock_guard<std::mutex> lock(*registry_mutex);
     if (rings.size() <= static_cast<size_t>(device)) rings.resize(device + 1);
     if (!rings[device]) rings[device].reset(new PinnedRing());
     return *rings[device];
@@ -471,6 +473,9 @@ void run_kernel_launches(const CudaCopyPlan& plan, int device, cudaStream_t stre
     // Stream-ordered: torch's caching allocator hands this block to a later allocation
     // on the same stream only, i.e. after this kernel, so it may be freed on return.
     const size_t bytes = launch.items * sizeof(CopyDesc);
+    // The allocation may cudaMalloc: relaxed, so that a connector thread copying while
+    // another thread captures a graph in global mode does not invalidate that capture.
+    RelaxedCaptureMode relaxed;
     c10::DataPtr table = c10::cuda::CUDACachingAllocator::get()->allocate(bytes);
     PinnedRing::for_device(device).upload(first, launch.items, table.get(), stream);
     KVOPS_CUDA_CHECK(
@@ -630,6 +635,9 @@ class CudaLayerEvents final : public DeviceEvents {
   // capture, so this thread switches to relaxed mode around it.
   bool query(int64_t layer) override {
     const cudaEvent_t ev = event(layer);
+    // A sender thread starts on device 0: without the guard the query would create a
+    // context on GPU 0 in every process whose caches live on another GPU.
+    c10::cuda::CUDAGuard guard(device_);
     cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
     KVOPS_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode),
                      "LayerEvents: cannot switch this thread to relaxed capture mode");

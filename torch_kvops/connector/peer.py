@@ -171,8 +171,13 @@ class PeerLink:
                     self.send({"op": "scatter", "layer": layer, "slot": slot,
                                "dst": dst_blocks[start:start + per_slot].tolist()})
         finally:
+            # Never leave a copy running into a buffer about to be released; a failure
+            # here is logged, so it cannot hide the error that ended the loop.
             for _, _, gather in pending:
-                gather.result()  # never leave a copy running into a buffer about to be released
+                try:
+                    gather.result()
+                except Exception:
+                    log.exception("peer %s: a staging gather of layer %d failed", self.peer_id, layer)
         return retries, staged_at
 
     def _claim_slot(self) -> int:

@@ -177,6 +177,10 @@ class ProducerSide:
 
     def _sender_main(self) -> None:
         try:
+            if self._caches[0].device.type == "cuda":
+                # CUDA calls from this thread then never touch (and create a context on)
+                # another GPU than the caches'.
+                torch.cuda.set_device(self._caches[0].device)
             while not self._stop.is_set():
                 try:
                     step = self._steps.get(timeout=0.1)
