@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -194,21 +194,26 @@ class ProducerStaging:
     def gather(self, layer: int, slot: int, src_blocks: np.ndarray):
         """Copy ``src_blocks`` of ``layer`` into ``slot``; return the one descriptor
         (src address, dst address, length) that moves the slot to the peer."""
-        return self.gather_async(layer, slot, src_blocks).result()
+        return self.gather_async(layer, [(slot, src_blocks)]).result()[0]
 
-    def gather_async(self, layer: int, slot: int, src_blocks: np.ndarray):
-        """Start the gather; ``.result()`` waits for it ("staged") and returns the
-        descriptor. CPU: a short-lived thread. CUDA: the connector's stream and an event;
-        the caller has waited for the layer's own event, so the KV write is complete."""
-        base = slot * self.grant.slot_blocks
-        n = int(src_blocks.size)
-        mapping = torch.from_numpy(np.stack([src_blocks, np.arange(base, base + n)], axis=1))
-        offset = base * self._block_bytes
-        desc = (self._buffer.data_ptr() + offset, self.grant.address + offset, n * self._block_bytes)
+    def gather_async(self, layer: int, pieces: Sequence[Tuple[int, np.ndarray]]):
+        """Start gathering each ``(slot, src_blocks)`` of ``pieces`` with ONE
+        ``swap_blocks_batch`` (the op spreads it over torch's threads; one Python thread
+        per slot oversubscribed the cores). ``.result()`` waits for it ("staged") and
+        returns one descriptor per piece. CPU: a short-lived thread. CUDA: the
+        connector's stream and an event; the caller has waited for the layer's own
+        event, so the KV write is complete."""
+        bb, slot_blocks = self._block_bytes, self.grant.slot_blocks
+        rows, descs = [], []
+        for slot, src_blocks in pieces:
+            base, n = slot * slot_blocks, int(src_blocks.size)
+            rows.append(np.stack([src_blocks, np.arange(base, base + n)], axis=1))
+            descs.append((self._buffer.data_ptr() + base * bb, self.grant.address + base * bb, n * bb))
+        mapping = torch.from_numpy(np.concatenate(rows))
         copy = lambda: ops.swap_blocks_batch([self._caches[layer]], [self._buffer], mapping)  # noqa: E731
         if self._stream is None:
-            return _Gather(copy, desc)
-        return _DeviceCopy(self._stream, copy, desc, self._copy_timeout_s)
+            return _Gather(copy, descs)
+        return _DeviceCopy(self._stream, copy, descs, self._copy_timeout_s)
 
     def close(self) -> None:
         _drain(self._stream)

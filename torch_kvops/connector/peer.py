@@ -39,6 +39,8 @@ class PeerLink:
         # transport never touches device memory (see staging.py).
         self.stage_every_layer = False
         self.dead: Optional[str] = None
+        # (layer, claimed slots, gather) started while the previous layer was on the wire
+        self._prefetched: Optional[tuple] = None
         self._transport = transport
         self._config = config
         self._stats = stats
@@ -101,16 +103,18 @@ class PeerLink:
     # ------------------------------------------------------------------ data
 
     def write_layer(self, layer: int, src_blocks: np.ndarray, dst_blocks: np.ndarray,
-                    src, dst, lengths) -> Tuple[int, Optional[float]]:
+                    src, dst, lengths, prefetch: Optional[int] = None) -> Tuple[int, Optional[float]]:
         """Move one layer's blocks: through staging when device caches are involved or
         the layer is fragmented (and the peer granted slots), else the merged
-        descriptors directly. Returns (retries made, when the last slot was staged or
+        descriptors directly. ``prefetch``: a layer whose KV write is complete, with the
+        same blocks (one step): its first slots are gathered while this layer's last
+        slots are on the wire. Returns (retries made, when the last slot was staged or
         None on the direct path)."""
         if self.control.peer_closed():
             raise self.give_up("peer closed its control channel (process gone?)")
         fragmented = lengths.size > 1 and lengths.mean() < self._config.staging_threshold_bytes
         if self.staging is not None and (self.stage_every_layer or fragmented):
-            return self._write_staged(layer, src_blocks, dst_blocks)
+            return self._write_staged(layer, src_blocks, dst_blocks, prefetch)
         retries = self._write(layer, src, dst, lengths)  # numpy: no list round trip
         self._stats.add(bytes_sent=int(lengths.sum()))
         return retries, None
@@ -131,15 +135,14 @@ class PeerLink:
                 log.warning("retrying layer %d to %s (attempt %d): %s", layer, self.peer_id, attempt, exc)
                 time.sleep(self._config.retry_backoff_s * (2 ** (attempt - 1)))
 
-    def _write_staged(self, layer: int, src_blocks: np.ndarray,
-                      dst_blocks: np.ndarray) -> Tuple[int, float]:
-        """Group by group of slots: gather, write, scatter notices. The gathers of the
-        next group run while the current group is on the wire (both release the GIL).
-        A group is half the granted slots, written in one call: one slot alone keeps
-        only part of the transport's parallel lanes busy (docs/benchmarks.md, fresh
-        random 16 KiB blocks, 4 layers: slot by slot 0.26x of contiguous, 2 of 4 slots
-        per write 0.43x, 4 of 8 slots per write 0.6-1.0x), and the other half is
-        gathered meanwhile."""
+    def _write_staged(self, layer: int, src_blocks: np.ndarray, dst_blocks: np.ndarray,
+                      prefetch: Optional[int]) -> Tuple[int, float]:
+        """Group by group of slots: gather, write, scatter notices. The next group is
+        gathered while the current group is on the wire (both release the GIL), across
+        layers too (``prefetch``). A group is half the granted slots, written in one
+        call: one slot alone keeps only part of the transport's parallel lanes busy
+        (docs/benchmarks.md: fresh random 16 KiB blocks, 4 layers: slot by slot 0.26x
+        of contiguous, 2 of 4 slots per write 0.43x, 4 of 8 slots 0.6-1.0x)."""
         staging = self.staging
         per_slot = staging.grant.slot_blocks
         per_group = staging.grant.slots // 2
@@ -147,25 +150,30 @@ class PeerLink:
         groups = [starts[g:g + per_group] for g in range(0, len(starts), per_group)]
         retries = 0
         staged_at = 0.0
-        pending: List[tuple] = []  # (slot, first block index, gather) of the next group
 
-        def gather_group(group: List[int]) -> None:
-            for start in group:
-                slot = self._claim_slot()
-                pending.append((slot, start, staging.gather_async(
-                    layer, slot, src_blocks[start:start + per_slot])))
+        def gather_group(of_layer: int, group: List[int]):
+            claimed = [(self._claim_slot(), start) for start in group]
+            return claimed, staging.gather_async(
+                of_layer, [(slot, src_blocks[start:start + per_slot]) for slot, start in claimed])
 
+        pending = None  # the next group: ([(slot, first block index)], gather)
         try:
-            gather_group(groups[0])
+            if self._prefetched is not None and self._prefetched[0] == layer:
+                pending, self._prefetched = self._prefetched[1:], None
+            else:
+                self.drop_prefetch()
+                pending = gather_group(layer, groups[0])
             for following in groups[1:] + [None]:
-                current = [(slot, start, gather.result()) for slot, start, gather in pending]
-                pending.clear()
+                (claimed, gather), pending = pending, None
+                descs = gather.result()
                 staged_at = time.perf_counter()
                 if following is not None:
-                    gather_group(following)
-                retries += self._write(layer, [d[0] for _, _, d in current], [d[1] for _, _, d in current],
-                                       [d[2] for _, _, d in current])
-                for slot, start, desc in current:
+                    pending = gather_group(layer, following)
+                elif prefetch is not None:
+                    self._prefetched = (prefetch, *gather_group(prefetch, groups[0]))
+                retries += self._write(layer, [d[0] for d in descs], [d[1] for d in descs],
+                                       [d[2] for d in descs])
+                for (slot, start), desc in zip(claimed, descs):
                     self._stats.add(bytes_sent=desc[2], staged_writes=1)
                     staging.busy[slot] = True
                     self.send({"op": "scatter", "layer": layer, "slot": slot,
@@ -173,12 +181,23 @@ class PeerLink:
         finally:
             # Never leave a copy running into a buffer about to be released; a failure
             # here is logged, so it cannot hide the error that ended the loop.
-            for _, _, gather in pending:
-                try:
-                    gather.result()
-                except Exception:
-                    log.exception("peer %s: a staging gather of layer %d failed", self.peer_id, layer)
+            if pending is not None:
+                self._settle(pending[1], layer)
         return retries, staged_at
+
+    def drop_prefetch(self) -> None:
+        """Wait for and discard a gather started for a layer that will not be written
+        to this peer (the step ended or the peer failed): its slots are reused."""
+        if self._prefetched is not None:
+            layer, _, gather = self._prefetched
+            self._prefetched = None
+            self._settle(gather, layer)
+
+    def _settle(self, gather, layer: int) -> None:
+        try:
+            gather.result()
+        except Exception:
+            log.exception("peer %s: a staging gather of layer %d failed", self.peer_id, layer)
 
     def _claim_slot(self) -> int:
         """The next staging slot, once the peer has released it (ack)."""
@@ -188,6 +207,7 @@ class PeerLink:
         return slot
 
     def close(self) -> None:
+        self.drop_prefetch()
         self.control.close()
         if self.staging is not None:
             self.staging.close()

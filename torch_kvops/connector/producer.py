@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Set
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -212,40 +212,62 @@ class ProducerSide:
         trace: List[dict] = []
         remaining = set(range(len(self._caches)))
         deadline = step.started + self._config.step_timeout_s
-        while remaining:
-            if self._stop.is_set():
-                self._fail_step(step, "connector closed during the step")
-                return
-            layer = self._events.next_ready(timeout=0.05)
-            if layer is None:
-                if time.monotonic() > deadline:
-                    self._fail_step(step, f"layers {sorted(remaining)} not pushed within "
-                                          f"{self._config.step_timeout_s} s")
+        lookahead: Optional[Tuple[int, float]] = None  # (layer, taken) popped one layer early
+        try:
+            while remaining:
+                if self._stop.is_set():
+                    self._fail_step(step, "connector closed during the step")
                     return
-                continue
-            if layer not in remaining:
-                self._stats.add(orphan_pushes=1)
-                continue
-            t0 = time.perf_counter()
-            if not self._events.wait(layer, timeout=self._config.event_timeout_s):
-                self._fail_step(step, f"layer {layer}'s event did not complete")
-                return
-            t1 = time.perf_counter()
-            staged = []
-            for peer_id, blocks, descriptors in by_layer(layer):
-                if peer_id not in step.failed_peers and not self._stop.is_set():
-                    staged.append(self._write_layer(step, self._peers[peer_id], layer, blocks,
-                                                    descriptors))
-            t2 = time.perf_counter()
-            self._stats.layer(layer, t1 - t0, t2 - t1)
-            staged = [t for t in staged if t is not None]
-            trace.append({"layer": layer, "pushed": self._events.pushed_at(layer), "taken": t0,
-                          "event_ready": t1, "staged": max(staged) if staged else None,
-                          "landed": t2})
-            self._last_trace = trace
-            self._stats.add(layers_sent=1)
-            remaining.discard(layer)
-        self._finish_step(step)
+                if lookahead is not None:
+                    (layer, t0), lookahead = lookahead, None
+                else:
+                    layer = self._events.next_ready(timeout=0.05)
+                    t0 = time.perf_counter()
+                    if layer is None:
+                        if time.monotonic() > deadline:
+                            self._fail_step(step, f"layers {sorted(remaining)} not pushed within "
+                                                  f"{self._config.step_timeout_s} s")
+                            return
+                        continue
+                    if layer not in remaining:
+                        self._stats.add(orphan_pushes=1)
+                        continue
+                if not self._events.wait(layer, timeout=self._config.event_timeout_s):
+                    self._fail_step(step, f"layer {layer}'s event did not complete")
+                    return
+                t1 = time.perf_counter()
+                lookahead, prefetch = self._peek_next(remaining - {layer})
+                staged = []
+                for peer_id, blocks, descriptors in by_layer(layer):
+                    if peer_id not in step.failed_peers and not self._stop.is_set():
+                        staged.append(self._write_layer(step, self._peers[peer_id], layer, blocks,
+                                                        descriptors, prefetch))
+                t2 = time.perf_counter()
+                self._stats.layer(layer, t1 - t0, t2 - t1)
+                staged = [t for t in staged if t is not None]
+                trace.append({"layer": layer, "pushed": self._events.pushed_at(layer), "taken": t0,
+                              "event_ready": t1, "staged": max(staged) if staged else None,
+                              "landed": t2})
+                self._last_trace = trace
+                self._stats.add(layers_sent=1)
+                remaining.discard(layer)
+            self._finish_step(step)
+        finally:
+            for peer_id in step.plan.by_peer:
+                self._peers[peer_id].drop_prefetch()
+
+    def _peek_next(self, wanted: Set[int]) -> Tuple[Optional[Tuple[int, float]], Optional[int]]:
+        """Take the next pushed layer early, if there is one: (it and when it was taken,
+        itself again if its KV write is already complete). A staged peer then gathers
+        that layer's first slots while the current layer's last slots are on the wire."""
+        layer = self._events.next_ready(timeout=0)
+        if layer is None:
+            return None, None
+        if layer not in wanted:
+            self._stats.add(orphan_pushes=1)
+            return None, None
+        taken = time.perf_counter()
+        return (layer, taken), (layer if self._events.wait(layer, timeout=0) else None)
 
     def _begin_step(self, step: _Step) -> None:
         """Announce each peer's requests; drop (and fail) those the peer no longer accepts."""
@@ -280,12 +302,12 @@ class ProducerSide:
                         src_blocks, dst_blocks)
         return for_layer
 
-    def _write_layer(self, step: _Step, peer: PeerLink, layer: int, blocks,
-                     descriptors) -> Optional[float]:
+    def _write_layer(self, step: _Step, peer: PeerLink, layer: int, blocks, descriptors,
+                     prefetch: Optional[int]) -> Optional[float]:
         """Write one layer to one peer; returns when it was staged (None: direct path
         or the peer failed)."""
         try:
-            retries, staged_at = peer.write_layer(layer, *blocks, *descriptors)
+            retries, staged_at = peer.write_layer(layer, *blocks, *descriptors, prefetch=prefetch)
         except PeerFailed as exc:
             step.failed_peers[peer.peer_id] = str(exc)
             return None
