@@ -50,6 +50,7 @@ cd "$WORK/run"  # nothing of the checkout on sys.path
 log "using the installed package from $PWD"
 "$CLEAN" - $PACKAGES <<'PY'
 import importlib
+import importlib.util
 import os
 import sys
 import sysconfig
@@ -60,7 +61,21 @@ import torch_kvops
 site = {os.path.realpath(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")}
 where = os.path.realpath(torch_kvops.__file__)
 assert any(where.startswith(s + os.sep) for s in site), f"torch_kvops imported from {where}, not site-packages"
+# Packages that need an optional extra (not installed here): shipped, and failing to
+# import only for want of that extra.
+NEEDS_EXTRA = {"torch_kvops.integrations.vllm": "vllm"}
 for name in sys.argv[1:]:
+    extra = NEEDS_EXTRA.get(name)
+    if extra is not None and importlib.util.find_spec(extra) is None:
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and os.path.realpath(spec.origin).startswith(os.path.dirname(where)), name
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            assert exc.name == extra, (name, exc)
+        else:
+            raise AssertionError(f"{name} imported without {extra}")
+        continue
     module = importlib.import_module(name)
     assert os.path.realpath(module.__file__).startswith(os.path.dirname(where)), (name, module.__file__)
 
