@@ -6,7 +6,7 @@ sent, and the sender turns each layer into merged (src, dst, length) descriptors
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -91,6 +91,12 @@ class StepPlan:
 
     requests: List[TransferRequest]
     by_peer: Dict[str, List[Tuple[TransferRequest, np.ndarray, np.ndarray]]] = field(default_factory=dict)
+
+    def drop(self, req_ids: Set[str]) -> None:
+        """Remove these requests (validated, but not to be sent) from the plan."""
+        self.requests = [r for r in self.requests if r.req_id not in req_ids]
+        for peer, entries in self.by_peer.items():
+            self.by_peer[peer] = [e for e in entries if e[0].req_id not in req_ids]
 
 
 def validate_step(requests: Sequence[TransferRequest], local: KVLayout,

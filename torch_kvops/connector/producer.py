@@ -133,14 +133,12 @@ class ProducerSide:
             # Later chunks of a request already reported failed (its peer died, the consumer
             # refused it): nothing is written and nothing reported again, so an engine that
             # frees blocks on failure frees them once. The failure report stands.
-            late = [r for r in requests if outcome[r.req_id] is False]
+            late = {r for r, ok in outcome.items() if ok is False}
             if late:
-                log.info("dropping later chunks of requests already reported failed: %s",
-                         sorted(r.req_id for r in late))
+                log.info("dropping later chunks of requests already reported failed: %s", sorted(late))
                 self._stats.add(chunks_after_failure=len(late))
-                requests = [r for r in requests if outcome[r.req_id] is None]
-                plan = validate_step(requests, self._layout, peers, self._ledger.in_flight)
-            for req in requests:
+                plan.drop(late)
+            for req in plan.requests:
                 self._ledger.in_flight[req.req_id] = req.peer
         # Pushes of a forward that ran without a step would be taken for this step's.
         while self._events.next_ready(timeout=0) is not None:
@@ -285,7 +283,7 @@ class ProducerSide:
                 log.warning("peer %s no longer accepts %s", peer_id, sorted(rejected))
                 for req_id in rejected:
                     self._ledger.report(req_id, ok=False)
-                step.plan.by_peer[peer_id] = [e for e in entries if e[0].req_id not in rejected]
+                step.plan.drop(rejected)
 
     def _step_descriptors(self, step: _Step):
         """Per peer, the step's block ids concatenated over requests, so each layer is
