@@ -191,16 +191,12 @@ class ProducerStaging:
         self._next = (self._next + 1) % self.grant.slots
         return slot
 
-    def gather(self, layer: int, slot: int, src_blocks: np.ndarray):
-        """Copy ``src_blocks`` of ``layer`` into ``slot``; return the one descriptor
-        (src address, dst address, length) that moves the slot to the peer."""
-        return self.gather_async(layer, [(slot, src_blocks)]).result()[0]
-
     def gather_async(self, layer: int, pieces: Sequence[Tuple[int, np.ndarray]]):
         """Start gathering each ``(slot, src_blocks)`` of ``pieces`` with ONE
         ``swap_blocks_batch`` (the op spreads it over torch's threads; one Python thread
         per slot oversubscribed the cores). ``.result()`` waits for it ("staged") and
-        returns one descriptor per piece. CPU: a short-lived thread. CUDA: the
+        returns one descriptor (src address, dst address, length) per piece, which
+        moves that slot to the peer. CPU: a short-lived thread. CUDA: the
         connector's stream and an event; the caller has waited for the layer's own
         event, so the KV write is complete."""
         bb, slot_blocks = self._block_bytes, self.grant.slot_blocks

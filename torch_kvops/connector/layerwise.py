@@ -51,6 +51,7 @@ class LayerwiseConnector:
         self._ledger: Optional[RequestLedger] = None
         self._side: Union[ProducerSide, ConsumerSide, None] = None
         self._hooks: list = []
+        self._device_staged = False
         self._closed = False
 
     # ------------------------------------------------------------------ set-up
@@ -63,22 +64,23 @@ class LayerwiseConnector:
         if len(devices) != 1:
             raise ValueError(f"all KV caches must be on one device, got {sorted(map(str, devices))}")
         device = next(iter(devices))
-        self._caches = list(kv_caches)
-        if device.type == "cuda" and not self.config.direct_device_reads:
-            if uniform_block(self._caches) is None:
-                raise ValueError("CUDA KV caches go through host staging, which needs one block "
-                                 "shape and dtype in every layer; set ConnectorConfig("
-                                 "direct_device_reads=True) only for a transport that reads "
-                                 "device memory without a host copy")
-        elif not self.transport.supports_device(device.type):
+        caches = list(kv_caches)
+        # CUDA caches go through pinned host staging: the transport never touches them.
+        self._device_staged = device.type == "cuda" and not self.config.direct_device_reads
+        if self._device_staged and uniform_block(caches) is None:
+            raise ValueError("CUDA KV caches go through host staging, which needs one block "
+                             "shape and dtype in every layer; set ConnectorConfig("
+                             "direct_device_reads=True) only for a transport that reads "
+                             "device memory without a host copy")
+        if not self._device_staged and not self.transport.supports_device(device.type):
             raise ValueError(f"transport {self.transport.name!r} cannot move {device.type} memory "
                              "(for direct device reads install the CUDA build of Mooncake, "
                              "mooncake-transfer-engine)")
-        self._layout = KVLayout.of(kv_caches)
-        self._stats = ConnectorStats(len(self._caches))
+        self._caches = caches
+        self._layout = KVLayout.of(caches)
+        self._stats = ConnectorStats(len(caches))
         self._ledger = RequestLedger(self._stats)
-        if device.type != "cuda" or self.config.direct_device_reads:
-            # Staged CUDA caches are never touched by the transport: not registered.
+        if not self._device_staged:
             for layer in self._layout.layers:
                 base, length = layer.span()
                 self.transport.register(base, length)
@@ -96,12 +98,10 @@ class LayerwiseConnector:
         optimization for fragmented layers (threshold 0 turns it off); with CUDA caches
         it keeps the transport off device memory unless direct reads are allowed. (An
         NPU gather would need its own stream: NPU caches are moved directly.)"""
-        if uniform_block(self._caches) is None:
-            return False
-        device = self._caches[0].device.type
-        if device == "cpu":
-            return self.config.staging_threshold_bytes > 0
-        return device == "cuda" and not self.config.direct_device_reads
+        if self._device_staged:
+            return True  # uniform blocks: checked by register_kv_caches
+        return (self._caches[0].device.type == "cpu" and self.config.staging_threshold_bytes > 0
+                and uniform_block(self._caches) is not None)
 
     def peer_info(self) -> dict:
         """Consumer: JSON-serializable description (addresses, cache layout, and the
