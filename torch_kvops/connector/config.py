@@ -29,6 +29,11 @@ class ConnectorConfig:
     # that stream. True lets the transport read/write device memory directly: only
     # where it does so without a host copy (RDMA with GPUDirect).
     direct_device_reads: bool = False
+    # End-to-end check (integrity.py): the producer sends keyed digests of the blocks
+    # it pushed, the consumer verifies its blocks before reporting a request finished
+    # and fails it on a mismatch. Either side may turn it on for its links; host
+    # caches only. Costs a second read of every pushed byte on both sides.
+    integrity_check: bool = False
 
     def __post_init__(self) -> None:
         if self.staging_slots < 2:

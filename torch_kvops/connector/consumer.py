@@ -26,6 +26,7 @@ from ..control import ControlServer, Session, new_secret
 from ..staging import ConsumerStaging
 from ..transports.base import Transport
 from .config import ConnectorConfig
+from .integrity import BlockDigester, integrity_key
 from .ledger import ConnectorStats, RequestLedger
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class _Incoming:
     blocks: Set[int] = field(default_factory=set)  # destination blocks named by its begins
     chunks: int = 0
     bytes: int = 0
+    digests: Dict[int, str] = field(default_factory=dict)  # latest digest per block (integrity)
 
 
 class ConsumerSide:
@@ -59,6 +61,9 @@ class ConsumerSide:
                                             config.staging_slots, copy_timeout_s=config.event_timeout_s)
         # Shared with producers only through peer_info(); never logged.
         self._secret = new_secret()
+        # Verifies digests sent by producers (integrity.py); host caches only.
+        self._digester = (BlockDigester(caches, integrity_key(self._secret))
+                          if all(c.device.type == "cpu" for c in caches) else None)
         self._server = ControlServer(control_host, self._on_control, self._on_producer_gone,
                                      self._expire_leases, secret=self._secret,
                                      send_timeout_s=config.control_timeout_s)
@@ -98,7 +103,8 @@ class ConsumerSide:
         if op == "hello":
             log.info("producer %s connected", session.producer)
             grant = self._staging.grant(session.producer) if self._staging and message.get("staging") else None
-            session.reply({"op": "welcome", "staging": grant.to_json() if grant else None})
+            session.reply({"op": "welcome", "staging": grant.to_json() if grant else None,
+                           "integrity": self._config.integrity_check})
         elif op == "begin":
             session.reply({"op": "begun", "rejected": self._begin_requests(message, session)})
         elif op == "scatter":
@@ -173,15 +179,66 @@ class ConsumerSide:
                             op, req_id, session.producer)
                 return
             entry.deadline = time.monotonic() + self._config.lease_s
-            if op == "chunk":
-                entry.chunks += 1
-                entry.bytes += int(message.get("bytes", 0))
-                if not message.get("last"):
-                    return
-                self._stats.add(bytes_sent=entry.bytes)
-            else:
+            if op == "failed":
                 log.warning("request %s failed on the producer: %s", req_id, message.get("reason"))
-            self._end_locked(req_id, ok=op == "chunk")
+                self._end_locked(req_id, ok=False)
+                return
+            entry.chunks += 1
+            entry.bytes += int(message.get("bytes", 0))
+            problem = self._note_digests(entry, message)
+            if problem is not None:
+                self._fail_integrity_locked(req_id, problem)
+                return
+            if not message.get("last"):
+                return
+            self._stats.add(bytes_sent=entry.bytes)
+            if not entry.digests:
+                self._end_locked(req_id, ok=True)
+                return
+            expected = dict(entry.digests)
+        # Every byte of the request has landed: hash the blocks outside the lock (the
+        # engine's get_finished takes it). Only this thread ends requests meanwhile,
+        # apart from close().
+        t0 = time.perf_counter()
+        blocks = sorted(expected)
+        actual = self._digester.block_digests(blocks)
+        self._stats.add(integrity_us=int((time.perf_counter() - t0) * 1e6))
+        bad = [b for b in blocks if actual[b] != expected[b]]
+        with self._ledger.lock:
+            if self._incoming.get(req_id) is not entry:
+                return
+            if bad:
+                self._fail_integrity_locked(
+                    req_id, f"{len(bad)} of {len(blocks)} blocks differ from what the producer "
+                            f"pushed (first: block {bad[0]})")
+            else:
+                self._end_locked(req_id, ok=True)
+
+    def _note_digests(self, entry: _Incoming, message: dict) -> Optional[str]:
+        """Keep a chunk notice's block digests; the reason to fail the request if they
+        are missing where the check is on, malformed, or name blocks it did not begin."""
+        digests = message.get("digests")
+        if digests is None:
+            if self._config.integrity_check and int(message.get("bytes", 0)) > 0:
+                return "the producer sent no digests (integrity_check is on here)"
+            return None
+        if self._digester is None:
+            return "digests for device caches: the integrity check needs host caches"
+        if not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values()):
+            return "malformed digests"
+        try:
+            named = {int(b): d for b, d in digests.items()}
+        except ValueError:
+            return "malformed digests"
+        if not set(named) <= entry.blocks:
+            return "digests for blocks the request's begin did not name"
+        entry.digests.update(named)
+        return None
+
+    def _fail_integrity_locked(self, req_id: str, reason: str) -> None:
+        self._stats.add(integrity_failures=1)
+        log.error("request %s failed the integrity check: %s", req_id, reason)
+        self._end_locked(req_id, ok=False)
 
     def _end_locked(self, req_id: str, ok: bool) -> None:
         """Under the ledger lock: report the request once and forget its blocks."""

@@ -64,6 +64,9 @@ class LayerwiseConnector:
         if len(devices) != 1:
             raise ValueError(f"all KV caches must be on one device, got {sorted(map(str, devices))}")
         device = next(iter(devices))
+        if self.config.integrity_check and device.type != "cpu":
+            raise ValueError("ConnectorConfig(integrity_check=True) needs host (CPU) KV caches; "
+                             f"these are on {device}")
         caches = list(kv_caches)
         # CUDA caches go through pinned host staging: the transport never touches them.
         self._device_staged = device.type == "cuda" and not self.config.direct_device_reads

@@ -14,6 +14,7 @@ from ..plan import KVLayout
 from ..staging import ProducerStaging
 from ..transports.base import Transport, TransportError
 from .config import ConnectorConfig
+from .integrity import BlockDigester
 from .ledger import ConnectorStats
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class PeerLink:
         # transport never touches device memory (see staging.py).
         self.stage_every_layer = False
         self.dead: Optional[str] = None
+        # Set when this link sends digests of what it pushed (integrity.py).
+        self.digester: Optional[BlockDigester] = None
         # (layer, claimed slots, gather) started while the previous layer was on the wire
         self._prefetched: Optional[tuple] = None
         self._transport = transport

@@ -24,6 +24,7 @@ from ..plan import KVLayout, StepPlan, TransferRequest, layer_descriptors, valid
 from ..staging import ProducerStaging, StagingGrant
 from ..transports.base import Transport
 from .config import PROTOCOL_VERSION, ConnectorConfig
+from .integrity import BlockDigester, ChunkDigests, integrity_key
 from .ledger import ConnectorStats, RequestLedger
 from .peer import PeerFailed, PeerLink
 
@@ -36,6 +37,7 @@ class _Step:
     done: threading.Event = field(default_factory=threading.Event)
     failed_peers: Dict[str, Optional[str]] = field(default_factory=dict)
     retried_peers: Set[str] = field(default_factory=set)
+    digests: Dict[str, ChunkDigests] = field(default_factory=dict)  # peer id -> this step's
     started: float = field(default_factory=time.monotonic)
 
 
@@ -108,6 +110,12 @@ class ProducerSide:
                              "layer's blocks must share one block shape and dtype on both sides), "
                              "or ConnectorConfig(direct_device_reads=True) where the transport "
                              "reads device memory without a host copy (RDMA with GPUDirect)")
+        if self._config.integrity_check or welcome.get("integrity"):
+            try:
+                peer.digester = BlockDigester(self._caches, integrity_key(secret))
+            except ValueError:
+                peer.close()
+                raise
         if grant and self._can_stage:
             peer.staging = ProducerStaging(self._caches, self._transport, StagingGrant(**grant),
                                            copy_timeout_s=self._config.event_timeout_s)
@@ -240,6 +248,7 @@ class ProducerSide:
                     if peer_id not in step.failed_peers and not self._stop.is_set():
                         staged.append(self._write_layer(step, self._peers[peer_id], layer, blocks,
                                                         descriptors, prefetch))
+                        self._digest_layer(step, peer_id, layer)
                 t2 = time.perf_counter()
                 self._stats.layer(layer, t1 - t0, t2 - t1)
                 staged = [t for t in staged if t is not None]
@@ -313,17 +322,33 @@ class ProducerSide:
             step.retried_peers.add(peer.peer_id)
         return staged_at
 
+    def _digest_layer(self, step: _Step, peer_id: str, layer: int) -> None:
+        """Integrity check: digest the blocks of ``layer`` just written to the peer
+        (its KV is final for this step; later layers still compute meanwhile)."""
+        peer = self._peers[peer_id]
+        if peer.digester is None or peer_id in step.failed_peers:
+            return
+        t0 = time.perf_counter()
+        digests = step.digests.get(peer_id)
+        if digests is None:
+            digests = step.digests[peer_id] = ChunkDigests(peer.digester, len(self._caches))
+        digests.add_layer(layer, {req.req_id: src for req, src, _ in step.plan.by_peer[peer_id]})
+        self._stats.add(integrity_us=int((time.perf_counter() - t0) * 1e6))
+
     def _finish_step(self, step: _Step) -> None:
         """Per request: a "chunk landed" notice (all its bytes of this step returned
         from the transport), or a failure notice; the producer reports the outcome."""
         bytes_per_block = sum(layer.block_bytes for layer in self._layout.layers)
         for peer_id, entries in step.plan.by_peer.items():
             peer = self._peers[peer_id]
-            for req, src, _ in entries:
+            for req, src, dst in entries:
                 if peer_id not in step.failed_peers:
                     try:
-                        peer.send({"op": "chunk", "req": req.req_id, "last": req.last_chunk,
-                                   "bytes": int(src.size) * bytes_per_block})
+                        notice = {"op": "chunk", "req": req.req_id, "last": req.last_chunk,
+                                  "bytes": int(src.size) * bytes_per_block}
+                        if peer_id in step.digests:
+                            notice["digests"] = step.digests[peer_id].for_request(req.req_id, dst)
+                        peer.send(notice)
                         if req.last_chunk:
                             # a retried write's first attempt may still land late
                             delay = self._config.quarantine_s if peer_id in step.retried_peers else 0.0
