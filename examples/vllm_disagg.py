@@ -1,14 +1,17 @@
 """Prefill/decode disaggregation with two real vLLM engines and KvopsLayerwiseConnector.
 
-Starts three engine processes on a tiny Llama (dummy weights, seeded, so all three
-hold the same weights): P (kv_producer), D (kv_consumer, kv_load_failure_policy
-"recompute") and a monolithic reference. This process plays the proxy: for each prompt
+Starts three engine processes on one model (``--model DIR``, any Hugging Face Llama-style
+directory; without it a small seeded test Llama whose output depends on its context,
+torch_kvops/testing/hf_model.py): P (kv_producer), D (kv_consumer,
+kv_load_failure_policy "recompute") and a monolithic reference. This process plays the proxy: for each prompt
 it sends the request to D (do_remote_prefill) and then to P (do_remote_decode, one
 token), and takes the output from D. Each prompt runs in every mode (monolithic, P/D
 layer-wise, P/D push-after-forward) in interleaved rounds; TTFT is measured from the
 proxy's send to the first token (CLOCK_MONOTONIC is shared by the processes).
 Optionally (--kill-prefill) P is killed in the middle of a chunked prefill and D's
-outcome is recorded. The last line printed is one JSON object.
+outcome is recorded. ``--compare-kv`` also compares D's KV cache for each prompt with
+P's, block by block (the prompt tokens D received), and reports the first differing
+layer and block. The last line printed is one JSON object.
 
     python examples/vllm_disagg.py --prompt-lens 33,700,1500 --max-num-batched-tokens 256
 """
@@ -17,15 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import sys
 import tempfile
 import time
 import traceback
+from collections import OrderedDict
 from typing import Dict, List, Optional
 
 import multiprocessing as mp
+
+import numpy as np
 
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core runs in our driver process
@@ -35,21 +42,53 @@ ENGINE_ENV = {
 }
 
 
-def write_model(directory: str, layers: int, hidden: int, vocab: int, max_len: int) -> None:
-    heads = max(1, hidden // 64)
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": hidden, "intermediate_size": hidden * 2, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": hidden // heads,
-        "vocab_size": vocab, "max_position_embeddings": max_len, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "torch_dtype": "float32", "tie_word_embeddings": False,
-        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
-    }
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f)
+def run_engine_setup(spec: Optional[str]) -> None:
+    """``module:function`` called in an engine process before its engine starts
+    (instrumentation, or a test's fault injection); the function gets the process name."""
+    if spec:
+        import importlib
+        module, _, func = spec.partition(":")
+        getattr(importlib.import_module(module), func)(mp.current_process().name)
 
 
-def engine_main(pipe, engine_kwargs: dict) -> None:
+def read_kv(worker, block_ids: List[int], num_tokens: int) -> List[List[np.ndarray]]:
+    """Runs on the engine's worker (collective_rpc): per layer, per block of
+    ``block_ids``, the KV bytes of the first ``num_tokens`` tokens. A partial last
+    block is cut along its token axes as vLLM 0.32's CPU backend lays a block out
+    (checked against its bytes): per KV head, K as [head, block_size] (token axis
+    last) and then V as [block_size, head]. With another layout (a GPU engine) a
+    partial block is compared whole."""
+    context = worker.model_runner.compilation_config.static_forward_context
+    caches = {}
+    for name, module in context.items():
+        cache = getattr(module, "kv_cache", None)
+        if isinstance(cache, (list, tuple)):  # one per virtual engine in older vLLMs
+            cache = cache[0] if cache else None
+        if cache is not None and cache.numel():
+            caches[name] = cache
+    out = []
+    for name in sorted(caches, key=lambda n: [int(x) for x in re.findall(r"\d+", n)]):
+        cache = caches[name]
+        cpu_layout = cache.dim() == 4 and cache.device.type == "cpu"
+        block_size = worker.cache_config.block_size
+        layer = []
+        for j, block in enumerate(block_ids):
+            tokens = min(block_size, num_tokens - j * block_size)
+            if tokens <= 0:
+                break
+            data = cache[block]
+            if tokens < block_size and cpu_layout:
+                heads = data.view(data.size(0), 2, -1)
+                k = heads[:, 0].reshape(data.size(0), -1, block_size)[:, :, :tokens]
+                v = heads[:, 1].reshape(data.size(0), block_size, -1)[:, :tokens]
+                layer.append(np.concatenate([k.numpy().ravel(), v.numpy().ravel()]))
+            else:
+                layer.append(data.contiguous().numpy().copy())
+        out.append(layer)
+    return out
+
+
+def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
     """Driver process: one in-process vLLM engine, fed over a pipe."""
     os.environ.update(ENGINE_ENV)
     import logging
@@ -58,6 +97,7 @@ def engine_main(pipe, engine_kwargs: dict) -> None:
     logging.getLogger("torch_kvops").addHandler(handler)
     logging.getLogger("torch_kvops").setLevel(os.environ.get("KVOPS_LOG_LEVEL", "WARNING"))
     try:
+        run_engine_setup(setup)
         from vllm import LLM, SamplingParams
         from vllm.config import KVTransferConfig
 
@@ -77,6 +117,9 @@ def engine_main(pipe, engine_kwargs: dict) -> None:
         return engine.has_unfinished_requests() or scheduler.has_requests()
 
     first: Dict[str, float] = {}
+    # block ids of recent requests (as of their last step), for "kv": the blocks of a
+    # finished request keep their bytes until another request reuses them
+    blocks_of: "OrderedDict[str, List[int]]" = OrderedDict()
     drain_deadline: Optional[float] = None
     try:
         while True:
@@ -93,6 +136,16 @@ def engine_main(pipe, engine_kwargs: dict) -> None:
                 if cmd == "drain":  # answer once every request and delayed free is done
                     drain_deadline = time.monotonic() + args[0]
                     continue
+                if cmd == "kv":  # ("kv", req_id, num_tokens)
+                    ids = blocks_of.get(args[0])
+                    if ids is None:
+                        pipe.send(("kv", None))
+                    else:
+                        pipe.send(("kv", engine.collective_rpc(read_kv, args=(ids, args[1]))[0]))
+                    continue
+                if cmd == "stats":
+                    pipe.send(("stats", connector_stats()))
+                    continue
                 if cmd == "stop":
                     engine.engine_core.shutdown()  # closes the KV connector (threads, memory)
                     pipe.send(("stopped", None))
@@ -104,6 +157,13 @@ def engine_main(pipe, engine_kwargs: dict) -> None:
                     engine.add_request(req_id, {"prompt_token_ids": tokens}, sampling)
             if not busy():
                 continue
+            for request in scheduler.requests.values():
+                ids = scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
+                if ids:
+                    # vLLM appends "-" and 8 random characters to the id it was given
+                    blocks_of[request.request_id[:-9]] = list(ids)
+            while len(blocks_of) > 64:
+                blocks_of.popitem(last=False)
             outputs = engine.step()
             now = time.monotonic()
             for out in outputs:
@@ -127,6 +187,16 @@ def engine_main(pipe, engine_kwargs: dict) -> None:
         raise
 
 
+def connector_stats() -> dict:
+    """Counters of the in-process worker's KV connector (empty without one)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return {}
+    connector = get_kv_transfer_group()
+    return connector.stats() if hasattr(connector, "stats") else {}
+
+
 def kvops_steps(req_id: str) -> list:
     """Push-step timings of the in-process prefill worker (empty elsewhere)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
@@ -140,11 +210,11 @@ def kvops_steps(req_id: str) -> list:
 class Engine:
     """Parent-side handle; every wait is bounded."""
 
-    def __init__(self, name: str, engine_kwargs: dict) -> None:
+    def __init__(self, name: str, engine_kwargs: dict, setup: Optional[str] = None) -> None:
         ctx = mp.get_context("spawn")
         self.name = name
         self.pipe, child = ctx.Pipe()
-        self.proc = ctx.Process(target=engine_main, args=(child, engine_kwargs), name=name)
+        self.proc = ctx.Process(target=engine_main, args=(child, engine_kwargs, setup), name=name)
         self.proc.start()
         self.results: Dict[str, dict] = {}
 
@@ -160,6 +230,18 @@ class Engine:
         if kind == "error":
             raise RuntimeError(f"{self.name} failed:\n{rest[0]}")
         return kind, rest
+
+    def ask(self, kind: str, *args, timeout: float = 120.0):
+        """Send ("kind", *args) and return the answer of that kind (results that
+        arrive meanwhile are kept for wait_done)."""
+        self.pipe.send((kind, *args))
+        deadline = time.monotonic() + timeout
+        while True:
+            got, rest = self._recv(max(0.0, deadline - time.monotonic()))
+            if got == kind:
+                return rest[0]
+            if got == "done":
+                self.results[rest[0]] = rest[1]
 
     def submit(self, requests: list) -> None:
         self.pipe.send(("submit", requests))
@@ -219,6 +301,53 @@ def local_prompt_tokens(out: dict) -> int:
     return int(params["kvops_local_prompt_tokens"])
 
 
+def disaggregated_request(prefill: "Engine", decode: "Engine", tid: str, prompt: List[int],
+                          new_tokens: int, producer_addr: str, mode: Optional[str] = None,
+                          timeout: float = 300.0) -> tuple:
+    """One request the way a P/D proxy sends it: to D first (it allocates blocks and
+    posts them to P's side channel), then to P with one output token. Returns (D's
+    output with "tid", "sent" and "ttft" added, P's output)."""
+    sent = time.monotonic()
+    decode.submit([(tid, prompt, new_tokens, {
+        "do_remote_prefill": True, "transfer_id": tid, "kvops_producer": producer_addr})])
+    params = {"do_remote_decode": True, "transfer_id": tid}
+    if mode is not None:
+        params["kvops_push_mode"] = mode
+    prefill.submit([(tid, prompt, 1, params)])
+    out = decode.wait_done(tid, timeout)
+    prefill_out = prefill.wait_done(tid, timeout)
+    out.update(tid=tid, sent=sent, ttft=out["t_first"] - sent)
+    if os.environ.get("KVOPS_LOG_LEVEL") == "DEBUG":
+        print(f"[proxy] {tid} sent {sent:.4f} P first {prefill_out['t_first']:.4f} "
+              f"D first {out['t_first']:.4f}", file=sys.stderr)
+    return out, prefill_out
+
+
+def first_kv_difference(p_kv: list, d_kv: list) -> Optional[dict]:
+    """The first (layer, block index in the request) whose bytes differ, or None."""
+    if len(p_kv) != len(d_kv):
+        return {"layer": None, "reason": f"{len(p_kv)} layers on P, {len(d_kv)} on D"}
+    for layer, (p_blocks, d_blocks) in enumerate(zip(p_kv, d_kv)):
+        if len(p_blocks) != len(d_blocks):
+            return {"layer": layer, "reason": f"{len(p_blocks)} blocks on P, {len(d_blocks)} on D"}
+        for j, (a, b) in enumerate(zip(p_blocks, d_blocks)):
+            if a.shape != b.shape or a.tobytes() != b.tobytes():
+                return {"layer": layer, "block": j}
+    return None
+
+
+def compare_kv(prefill: "Engine", decode: "Engine", tid: str, prompt_len: int) -> dict:
+    """D's KV of request ``tid`` against P's, over the prompt tokens D received (all
+    but the last, which D computes itself). Ask right after the request finished:
+    its blocks keep their bytes only until the engine reuses them."""
+    p_kv = prefill.ask("kv", tid, prompt_len - 1)
+    d_kv = decode.ask("kv", tid, prompt_len - 1)
+    if p_kv is None or d_kv is None:
+        raise RuntimeError(f"{tid}: no block ids recorded on {'P' if p_kv is None else 'D'}")
+    diff = first_kv_difference(p_kv, d_kv)
+    return {"transfer_id": tid, "prompt_len": prompt_len, "match": diff is None, "first_difference": diff}
+
+
 def spread(values: List[float]) -> dict:
     return {"median": round(statistics.median(values), 5), "min": round(min(values), 5),
             "max": round(max(values), 5), "n": len(values)}
@@ -226,10 +355,15 @@ def spread(values: List[float]) -> dict:
 
 def main(argv: Optional[List[str]] = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="a Hugging Face model directory; default: write the seeded test Llama "
+                         "(--layers/--hidden/--heads/--kv-heads/--vocab) into a temporary directory")
     ap.add_argument("--prompt-lens", default="33,700,1500")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=32, help="CPU attention needs a multiple of 32")
@@ -241,6 +375,13 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ap.add_argument("--lease-s", type=float, default=6.0, help="D gives up on a silent P after this")
     ap.add_argument("--kill-prefill", action="store_true",
                     help="finally kill P in the middle of the longest prompt's prefill")
+    ap.add_argument("--compare-kv", action="store_true",
+                    help="compare D's KV of each prompt with P's, block by block (first round)")
+    ap.add_argument("--integrity", action="store_true",
+                    help="turn on the connector's end-to-end integrity check on D")
+    ap.add_argument("--engine-setup", default=None, metavar="MODULE:FUNCTION",
+                    help="called in every engine process before its engine starts, with the "
+                         "process name (instrumentation, fault injection in tests)")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--records", action="store_true", help="include every timed request in the JSON")
     args = ap.parse_args(argv)
@@ -249,8 +390,16 @@ def main(argv: Optional[List[str]] = None) -> dict:
     modes = [m for m in args.modes.split(",") if m]
     max_len = max(lens) + args.new_tokens + 16
     tmp = tempfile.TemporaryDirectory(prefix="kvops-vllm-")
-    write_model(tmp.name, args.layers, args.hidden, args.vocab, max_len)
-    base = dict(model=tmp.name, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+    model = args.model
+    if model is None:
+        from torch_kvops.testing.hf_model import write_context_model
+        model = tmp.name
+        write_context_model(model, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                            kv_heads=args.kv_heads, vocab=args.vocab, max_len=max(max_len, 4096))
+    with open(os.path.join(model, "config.json")) as f:
+        model_config = json.load(f)
+    vocab, num_layers = int(model_config["vocab_size"]), int(model_config["num_hidden_layers"])
+    base = dict(model=model, skip_tokenizer_init=True, enforce_eager=True,
                 seed=0, dtype="float32", max_model_len=max_len, block_size=args.block_size,
                 max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=True,
                 enable_prefix_caching=False, max_num_seqs=8)
@@ -261,12 +410,14 @@ def main(argv: Optional[List[str]] = None) -> dict:
         "side_channel_port": side_port, "wait_for_decode_s": 10.0, "step_timeout_s": 15.0,
         "connector": {"transfer_timeout_s": 5.0, "max_retries": 1, "quarantine_s": 0.2}})
     decode_cfg = dict(kvops, kv_role="kv_consumer", kv_load_failure_policy="recompute",
-                      kv_connector_extra_config={"connector": {"lease_s": args.lease_s}})
+                      kv_connector_extra_config={"connector": {"lease_s": args.lease_s,
+                                                               "integrity_check": args.integrity}})
     producer_addr = f"127.0.0.1:{side_port}"
 
-    engines = {"ref": Engine("reference", base),
-               "P": Engine("prefill", dict(base, kv_transfer_config=prefill_cfg)),
-               "D": Engine("decode", dict(base, kv_transfer_config=decode_cfg))}
+    setup = args.engine_setup
+    engines = {"ref": Engine("reference", base, setup),
+               "P": Engine("prefill", dict(base, kv_transfer_config=prefill_cfg), setup),
+               "D": Engine("decode", dict(base, kv_transfer_config=decode_cfg), setup)}
     result: dict = {}
     try:
         t0 = time.monotonic()
@@ -276,7 +427,15 @@ def main(argv: Optional[List[str]] = None) -> dict:
 
         import random
         rng = random.Random(1234)
-        prompts = [[rng.randrange(3, args.vocab) for _ in range(n)] for n in lens]
+        prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]
+        # The model must depend on its context, or no transferred byte can change D's
+        # answer: two prompts that share only their last token must be answered apart.
+        probe = [prompts[-1][:-1][::-1] + prompts[-1][-1:], prompts[-1]]
+        engines["ref"].submit([(f"probe-{k}", p, args.new_tokens, None) for k, p in enumerate(probe)])
+        probe_tokens = [engines["ref"].wait_done(f"probe-{k}", args.timeout)["tokens"] for k in range(2)]
+        result["context_probe"] = {"prompt_len": len(probe[0]), "tokens": probe_tokens,
+                                   "differ": probe_tokens[0] != probe_tokens[1]}
+        kv_checks: List[dict] = []
         ref_tokens: Dict[int, List[int]] = {}
         ttft: Dict[str, List[float]] = {m: [] for m in ["monolithic"] + [f"pd_{m}" for m in modes]}
         per_len: Dict[str, Dict[int, List[float]]] = {k: {} for k in ttft}
@@ -292,20 +451,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
             nonlocal seq
             seq += 1
             tid = f"{tag}-{seq}"
-            sent = time.monotonic()
-            engines["D"].submit([(tid, prompts[i], args.new_tokens, {
-                "do_remote_prefill": True, "transfer_id": tid, "kvops_producer": producer_addr})])
-            engines["P"].submit([(tid, prompts[i], 1, {
-                "do_remote_decode": True, "transfer_id": tid, "kvops_push_mode": mode})])
-            out = engines["D"].wait_done(tid, args.timeout)
-            prefill = engines["P"].wait_done(tid, args.timeout)
-            out["ttft"] = out["t_first"] - sent
-            out["p_ttft"] = prefill["t_first"] - sent
-            if os.environ.get("KVOPS_LOG_LEVEL") == "DEBUG":
-                print(f"[proxy] {tid} sent {sent:.4f} P first {prefill['t_first']:.4f} "
-                      f"D first {out['t_first']:.4f}", file=sys.stderr)
+            out, prefill = disaggregated_request(engines["P"], engines["D"], tid, prompts[i],
+                                                 args.new_tokens, producer_addr, mode, args.timeout)
+            out["p_ttft"] = prefill["t_first"] - out["sent"]
             steps = prefill["kvops_steps"]
-            if not steps or steps[-1]["layers_pushed"] != args.layers:
+            if not steps or steps[-1]["layers_pushed"] != num_layers:
                 raise RuntimeError(f"{tid}: prefill side recorded no complete push step: {steps}")
             out["exposed"] = steps[-1]["exposed_after_forward_s"]
             out["last_layer"] = steps[-1]["last_layer_transfer_s"]
@@ -344,11 +494,13 @@ def main(argv: Optional[List[str]] = None) -> dict:
                     if rnd == 0 and mode == modes[0]:
                         decode_prefill.append(local_prompt_tokens(out))
                         chunks.append(out["p_chunks"])
+                        if args.compare_kv:
+                            kv_checks.append(compare_kv(engines["P"], engines["D"], out["tid"], n))
 
         result.update({
             "tokens_match": all(matches), "prompts": len(lens), "prompt_lens": lens,
             "max_num_batched_tokens": args.max_num_batched_tokens,
-            "layers": args.layers, "hidden": args.hidden, "rounds": args.rounds,
+            "model": args.model or "test Llama (seeded)", "layers": num_layers, "rounds": args.rounds,
             "warmup_rounds": args.warmup_rounds,
             "ttft_s": {k: spread(v) for k, v in ttft.items() if v},
             "ttft_s_by_len": {k: {str(n): round(statistics.median(v), 4) for n, v in d.items()}
@@ -358,6 +510,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
             "ttft_s_by_len_min": {k: {str(n): round(min(v), 4) for n, v in d.items()}
                                   for k, d in per_len.items() if d},
             "decode_prefill_tokens": sum(decode_prefill),
+            "kv_compared": kv_checks,
+            "kv_match": all(c["match"] for c in kv_checks) if kv_checks else None,
+            "decode_connector_stats": engines["D"].ask("stats"),
             "decode_prefill_tokens_per_prompt": decode_prefill,
             "prefill_push_steps_per_prompt": chunks,
             # engine time spent after P's last forward waiting for the push to land

@@ -30,6 +30,7 @@ def disagg_run():
     cmd = [sys.executable, os.path.join(ROOT, "examples", "vllm_disagg.py"),
            "--prompt-lens", ",".join(map(str, PROMPT_LENS)), "--max-num-batched-tokens", str(BUDGET),
            "--new-tokens", "6", "--modes", "layerwise", "--lease-s", str(LEASE_S), "--kill-prefill",
+           "--compare-kv",
            "--timeout", "240"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
@@ -37,10 +38,20 @@ def disagg_run():
     return json.loads(last), proc.stderr
 
 
-def test_chunked_prefill_pushed_layer_wise_gives_identical_tokens(disagg_run):
+def test_the_example_model_depends_on_its_context(disagg_run):
+    # Without this, a connector that moves nothing passes the token comparison
+    # (tests/test_vllm_negative_controls.py sabotages the transfer and checks it fails).
+    result, _ = disagg_run
+    assert result["context_probe"]["differ"], result["context_probe"]
+
+
+def test_chunked_prefill_pushed_layer_wise_gives_identical_tokens_and_kv(disagg_run):
     result, stderr = disagg_run
     assert result["prompts"] == len(PROMPT_LENS)
     assert result["tokens_match"] is True, stderr[-4000:]
+    # D's KV of every prompt token it received equals P's, block by block
+    assert result["kv_match"] is True, result["kv_compared"]
+    assert len(result["kv_compared"]) == len(PROMPT_LENS)
     # D computed only the last prompt token of each prompt (vLLM recomputes it to
     # sample the first output token); the rest of the KV came from P.
     assert result["decode_prefill_tokens_per_prompt"] == [1] * len(PROMPT_LENS)

