@@ -534,19 +534,29 @@ def main(argv: Optional[List[str]] = None) -> dict:
 
         if args.kill_prefill:
             i = max(range(len(lens)), key=lambda k: lens[k])
-            typical = statistics.median(per_len[f"pd_{modes[0]}"][lens[i]])
+            if -(-lens[i] // args.max_num_batched_tokens) < 2:
+                raise SystemExit("--kill-prefill needs a prompt longer than --max-num-batched-tokens "
+                                 "(P is killed between two of its chunks)")
+            steps_before = engines["P"].ask("stats")["steps"]
             seq += 1
             tid = f"kill-{seq}"
             sent = time.monotonic()
             engines["D"].submit([(tid, prompts[i], args.new_tokens, {
                 "do_remote_prefill": True, "transfer_id": tid, "kvops_producer": producer_addr})])
             engines["P"].submit([(tid, prompts[i], 1, {"do_remote_decode": True, "transfer_id": tid})])
-            time.sleep(typical / 2)
+            # kill P once it has pushed its first chunk: in the middle of the prefill,
+            # whatever the machine's speed (P answers between two engine steps)
+            deadline = time.monotonic() + args.timeout
+            while engines["P"].ask("stats")["steps"] <= steps_before:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("P pushed no chunk of the request to kill")
+                time.sleep(0.005)
             engines["P"].kill()
             killed = time.monotonic()
             out = engines["D"].wait_done(tid, args.timeout)
             result["kill"] = {
                 "prompt_len": lens[i], "killed_after_s": round(killed - sent, 3),
+                "p_chunks": -(-lens[i] // args.max_num_batched_tokens),
                 "p_exitcode": engines["P"].proc.exitcode,
                 "d_finished_after_kill_s": round(out["t_done"] - killed, 3),
                 "lease_s": args.lease_s, "d_finish_reason": out["finish_reason"],

@@ -1,7 +1,7 @@
-"""``python -m torch_kvops.bench [--quick] [--only ops,cuda,transfer,overlap] [--redraw RESULTS_JSON]``
+"""``python -m torch_kvops.bench [--quick] [--only ops,cuda,transfer,integrity,overlap] [--redraw RESULTS_JSON]``
 
 Runs the op benchmarks (CPU; CUDA copies against C++ baselines where a GPU exists),
-the transfer benchmarks and the layer-wise overlap
+the transfer benchmarks, the cost of the integrity check and the layer-wise overlap
 benchmark. Every figure is a ratio against a baseline measured in the same run, plus
 absolute numbers labelled with the machine. Writes ``bench-results.json``, then a
 timeline PNG of one prefill step (needs matplotlib: ``pip install 'torch_kvops[plot]'``;
@@ -17,6 +17,7 @@ import time
 from typing import Optional
 
 from . import cuda_copy as cuda_bench
+from . import integrity as integrity_bench
 from . import ops as ops_bench
 from . import overlap as overlap_bench
 from . import transfer as transfer_bench
@@ -26,7 +27,7 @@ from .common import machine
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="torch_kvops benchmarks")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (under a minute or two)")
-    p.add_argument("--only", default="ops,cuda,transfer,overlap")
+    p.add_argument("--only", default="ops,cuda,transfer,integrity,overlap")
     p.add_argument("--out", default="bench-results.json")
     p.add_argument("--timeline", default="timeline.png")
     p.add_argument("--redraw", metavar="RESULTS_JSON",
@@ -42,9 +43,10 @@ def main(argv=None) -> int:
             print(f"timeline: {drawn}")
         return 0
     wanted = set(args.only.split(","))
-    unknown = wanted - {"ops", "cuda", "transfer", "overlap"}
+    unknown = wanted - {"ops", "cuda", "transfer", "integrity", "overlap"}
     if unknown:
-        p.error(f"--only: unknown benchmark(s) {sorted(unknown)}; choose from ops, cuda, transfer, overlap")
+        p.error(f"--only: unknown benchmark(s) {sorted(unknown)}; choose from ops, cuda, transfer, "
+                "integrity, overlap")
     results = {"machine": machine(), "quick": args.quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     print(f"machine: {results['machine']}")
     if "ops" in wanted:
@@ -64,6 +66,10 @@ def main(argv=None) -> int:
         print("\n== layer-wise push over Mooncake TCP: contiguous vs fragmented blocks")
         results["transfer"] = transfer_bench.run(args.quick)
         transfer_bench.print_table(results["transfer"])
+    if "integrity" in wanted:
+        print("\n== cost of the end-to-end integrity check (fragmented push, interleaved)")
+        results["integrity"] = integrity_bench.run(args.quick)
+        integrity_bench.print_table(results["integrity"])
     if "overlap" in wanted:
         print("\n== layer-wise push vs push after the forward (paged Llama, two processes)")
         overlap = overlap_bench.run(args.quick)

@@ -16,6 +16,8 @@ covers are ignored and counted (``control_not_owner``, ``scatter_refused``).
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set
@@ -40,6 +42,7 @@ class _Incoming:
     chunks: int = 0
     bytes: int = 0
     digests: Dict[int, str] = field(default_factory=dict)  # latest digest per block (integrity)
+    verifying: bool = False  # every byte landed; the verifier thread decides its outcome
 
 
 class ConsumerSide:
@@ -64,6 +67,7 @@ class ConsumerSide:
         # Verifies digests sent by producers (integrity.py); host caches only.
         self._digester = (BlockDigester(caches, integrity_key(self._secret))
                           if all(c.device.type == "cpu" for c in caches) else None)
+        self._verifier: Optional[Verifier] = None  # started on the first request to verify
         self._server = ControlServer(control_host, self._on_control, self._on_producer_gone,
                                      self._expire_leases, secret=self._secret,
                                      send_timeout_s=config.control_timeout_s)
@@ -195,22 +199,18 @@ class ConsumerSide:
             if not entry.digests:
                 self._end_locked(req_id, ok=True)
                 return
-            expected = dict(entry.digests)
-        # Every byte of the request has landed: hash the blocks outside the lock (the
-        # engine's get_finished takes it). Only this thread ends requests meanwhile,
-        # apart from close().
-        t0 = time.perf_counter()
-        blocks = sorted(expected)
-        actual = self._digester.block_digests(blocks)
-        self._stats.add(integrity_us=int((time.perf_counter() - t0) * 1e6))
-        bad = [b for b in blocks if actual[b] != expected[b]]
+            entry.verifying = True
+            if self._verifier is None:
+                self._verifier = Verifier(self._digester, self._verified, self._stats)
+            self._verifier.submit(req_id, entry, dict(entry.digests))
+
+    def _verified(self, req_id: str, entry: _Incoming, problem: Optional[str]) -> None:
+        """Verifier thread: the outcome of a request whose every byte had landed."""
         with self._ledger.lock:
-            if self._incoming.get(req_id) is not entry:
+            if self._incoming.get(req_id) is not entry:  # ended meanwhile (close)
                 return
-            if bad:
-                self._fail_integrity_locked(
-                    req_id, f"{len(bad)} of {len(blocks)} blocks differ from what the producer "
-                            f"pushed (first: block {bad[0]})")
+            if problem is not None:
+                self._fail_integrity_locked(req_id, problem)
             else:
                 self._end_locked(req_id, ok=True)
 
@@ -266,7 +266,8 @@ class ConsumerSide:
     def _expire_leases(self) -> None:
         now = time.monotonic()
         with self._ledger.lock:
-            expired = [r for r, entry in self._incoming.items() if entry.deadline < now]
+            expired = [r for r, entry in self._incoming.items()
+                       if entry.deadline < now and not entry.verifying]
             for req_id in expired:
                 log.warning("request %s: lease expired before it finished", req_id)
                 self._end_locked(req_id, ok=False)
@@ -281,6 +282,8 @@ class ConsumerSide:
             self._server.close(timeout)
         except RuntimeError as exc:
             problems.append(str(exc))
+        if self._verifier is not None and not self._verifier.close(timeout):
+            problems.append("the integrity verifier thread did not stop within the close timeout")
         with self._ledger.lock:
             for req_id in list(self._incoming):
                 self._end_locked(req_id, ok=False)
@@ -291,6 +294,46 @@ class ConsumerSide:
             except (OSError, RuntimeError) as exc:
                 problems.append(f"release failed: {exc}")
         return problems
+
+
+class Verifier:
+    """A thread that recomputes the digests of requests whose bytes have all landed,
+    off the control thread (which keeps acknowledging other producers' staging slots
+    meanwhile), and hands each outcome to ``on_done(req_id, entry, problem)``."""
+
+    def __init__(self, digester: BlockDigester, on_done, stats: ConnectorStats) -> None:
+        self._digester, self._on_done, self._stats = digester, on_done, stats
+        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._main, name="kvops-verifier", daemon=True)
+        self._thread.start()
+
+    def submit(self, req_id: str, entry: _Incoming, expected: Dict[int, str]) -> None:
+        self._queue.put((req_id, entry, expected))
+
+    def _main(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            req_id, entry, expected = job
+            try:
+                t0 = time.perf_counter()
+                blocks = sorted(expected)
+                actual = self._digester.block_digests(blocks)
+                self._stats.add(integrity_us=int((time.perf_counter() - t0) * 1e6))
+                bad = [b for b in blocks if actual[b] != expected[b]]
+                problem = (f"{len(bad)} of {len(blocks)} blocks differ from what the producer "
+                           f"pushed (first: block {bad[0]})") if bad else None
+            except Exception as exc:  # the request fails; the thread goes on
+                log.exception("verifying request %s failed", req_id)
+                problem = f"verification failed: {exc}"
+            self._on_done(req_id, entry, problem)
+
+    def close(self, timeout: float) -> bool:
+        """Stop after the queued jobs; True if the thread ended in time."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
 
 def _block_list(value) -> List[int]:
