@@ -7,7 +7,7 @@ transfer that moves nothing still gives the reference tokens. These weights are 
 from a seed with scales that make attention sharp (query/key projections large enough
 that softmax picks few positions) while the residual stream stays bounded, so a
 missing, misplaced or stale block changes the tokens.
-``tests/test_vllm_model.py`` asserts that property with a real engine.
+``tests/test_vllm_negative_controls.py`` asserts that property with a real engine.
 """
 from __future__ import annotations
 
