@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import socket
 import statistics
 import sys
@@ -31,8 +30,6 @@ from collections import OrderedDict
 from typing import Dict, List, Optional
 
 import multiprocessing as mp
-
-import numpy as np
 
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core runs in our driver process
@@ -51,43 +48,6 @@ def run_engine_setup(spec: Optional[str]) -> None:
         getattr(importlib.import_module(module), func)(mp.current_process().name)
 
 
-def read_kv(worker, block_ids: List[int], num_tokens: int) -> List[List[np.ndarray]]:
-    """Runs on the engine's worker (collective_rpc): per layer, per block of
-    ``block_ids``, the KV bytes of the first ``num_tokens`` tokens. A partial last
-    block is cut along its token axes as vLLM 0.32's CPU backend lays a block out
-    (checked against its bytes): per KV head, K as [head, block_size] (token axis
-    last) and then V as [block_size, head]. With another layout (a GPU engine) a
-    partial block is compared whole."""
-    context = worker.model_runner.compilation_config.static_forward_context
-    caches = {}
-    for name, module in context.items():
-        cache = getattr(module, "kv_cache", None)
-        if isinstance(cache, (list, tuple)):  # one per virtual engine in older vLLMs
-            cache = cache[0] if cache else None
-        if cache is not None and cache.numel():
-            caches[name] = cache
-    out = []
-    for name in sorted(caches, key=lambda n: [int(x) for x in re.findall(r"\d+", n)]):
-        cache = caches[name]
-        cpu_layout = cache.dim() == 4 and cache.device.type == "cpu"
-        block_size = worker.cache_config.block_size
-        layer = []
-        for j, block in enumerate(block_ids):
-            tokens = min(block_size, num_tokens - j * block_size)
-            if tokens <= 0:
-                break
-            data = cache[block]
-            if tokens < block_size and cpu_layout:
-                heads = data.view(data.size(0), 2, -1)
-                k = heads[:, 0].reshape(data.size(0), -1, block_size)[:, :, :tokens]
-                v = heads[:, 1].reshape(data.size(0), block_size, -1)[:, :tokens]
-                layer.append(np.concatenate([k.numpy().ravel(), v.numpy().ravel()]))
-            else:
-                layer.append(data.contiguous().numpy().copy())
-        out.append(layer)
-    return out
-
-
 def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
     """Driver process: one in-process vLLM engine, fed over a pipe."""
     os.environ.update(ENGINE_ENV)
@@ -100,6 +60,8 @@ def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
         run_engine_setup(setup)
         from vllm import LLM, SamplingParams
         from vllm.config import KVTransferConfig
+
+        from torch_kvops.integrations.vllm import probes
 
         kwargs = dict(engine_kwargs)
         if kwargs.get("kv_transfer_config"):
@@ -136,15 +98,17 @@ def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
                 if cmd == "drain":  # answer once every request and delayed free is done
                     drain_deadline = time.monotonic() + args[0]
                     continue
-                if cmd == "kv":  # ("kv", req_id, num_tokens)
+                if cmd == "kv":  # ("kv", req_id, num_tokens): the whole KV, all ranks merged
                     ids = blocks_of.get(args[0])
-                    if ids is None:
-                        pipe.send(("kv", None))
-                    else:
-                        pipe.send(("kv", engine.collective_rpc(read_kv, args=(ids, args[1]))[0]))
+                    pipe.send(("kv", None if ids is None else
+                               probes.merge_ranks(engine.collective_rpc(probes.worker_kv,
+                                                                        args=(ids, args[1])))))
                     continue
-                if cmd == "stats":
-                    pipe.send(("stats", connector_stats()))
+                if cmd == "stats":  # per rank
+                    pipe.send(("stats", engine.collective_rpc(probes.worker_stats)))
+                    continue
+                if cmd == "worker_pids":
+                    pipe.send(("worker_pids", engine.collective_rpc(probes.worker_pid)))
                     continue
                 if cmd == "stop":
                     engine.engine_core.shutdown()  # closes the KV connector (threads, memory)
@@ -177,7 +141,9 @@ def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
                         "kv_transfer_params": out.kv_transfer_params,
                         "prompt_len": len(out.prompt_token_ids or []),
                         "finish_reason": out.outputs[0].finish_reason,
-                        "kvops_steps": kvops_steps(out.request_id)}))
+                        # rank 0's push steps (prefill side)
+                        "kvops_steps": engine.collective_rpc(probes.worker_steps,
+                                                             args=(out.request_id,))[0]}))
             if not outputs:
                 # Waiting for remote KV: vLLM steps in a busy loop, which here would take
                 # a core from P (P and D share this machine's two cores).
@@ -185,26 +151,6 @@ def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
         raise
-
-
-def connector_stats() -> dict:
-    """Counters of the in-process worker's KV connector (empty without one)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    if not has_kv_transfer_group():
-        return {}
-    connector = get_kv_transfer_group()
-    return connector.stats() if hasattr(connector, "stats") else {}
-
-
-def kvops_steps(req_id: str) -> list:
-    """Push-step timings of the in-process prefill worker (empty elsewhere)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    if not has_kv_transfer_group():
-        return []
-    connector = get_kv_transfer_group()
-    return connector.recent_steps(req_id) if hasattr(connector, "recent_steps") else []
 
 
 class Engine:
@@ -285,6 +231,11 @@ class Engine:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.join(30)
+
+
+def tensor_parallel(size: int) -> dict:
+    """Engine arguments for ``size`` tensor-parallel ranks (worker processes when > 1)."""
+    return {} if size == 1 else {"tensor_parallel_size": size, "distributed_executor_backend": "mp"}
 
 
 def free_port() -> int:
@@ -375,6 +326,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ap.add_argument("--lease-s", type=float, default=6.0, help="D gives up on a silent P after this")
     ap.add_argument("--kill-prefill", action="store_true",
                     help="finally kill P in the middle of the longest prompt's prefill")
+    ap.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of P")
+    ap.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of D")
     ap.add_argument("--compare-kv", action="store_true",
                     help="compare D's KV of each prompt with P's, block by block (first round)")
     ap.add_argument("--integrity", action="store_true",
@@ -416,8 +369,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
 
     setup = args.engine_setup
     engines = {"ref": Engine("reference", base, setup),
-               "P": Engine("prefill", dict(base, kv_transfer_config=prefill_cfg), setup),
-               "D": Engine("decode", dict(base, kv_transfer_config=decode_cfg), setup)}
+               "P": Engine("prefill", dict(base, kv_transfer_config=prefill_cfg,
+                                           **tensor_parallel(args.prefill_tp)), setup),
+               "D": Engine("decode", dict(base, kv_transfer_config=decode_cfg,
+                                          **tensor_parallel(args.decode_tp)), setup)}
     result: dict = {}
     try:
         t0 = time.monotonic()
@@ -512,6 +467,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
             "decode_prefill_tokens": sum(decode_prefill),
             "kv_compared": kv_checks,
             "kv_match": all(c["match"] for c in kv_checks) if kv_checks else None,
+            "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp,
             "decode_connector_stats": engines["D"].ask("stats"),
             "decode_prefill_tokens_per_prompt": decode_prefill,
             "prefill_push_steps_per_prompt": chunks,

@@ -15,6 +15,8 @@ from torch_kvops.integrations.vllm.worker import block_views
 def test_block_views_accept_block_major_and_kv_plane_layouts():
     cpu = torch.zeros(10, 4, 32, 128)  # vLLM CPU backend: [blocks, kv_heads, block, 2*head]
     assert [v.shape for v in block_views("l0", cpu, 10)] == [cpu.shape]
+    (by_head,) = block_views("l0", cpu, 10, local_heads=4)  # one unit per head of a block
+    assert by_head.shape == (40, 32, 128) and by_head.data_ptr() == cpu.data_ptr()
     planes = torch.zeros(2, 10, 32, 4, 64)  # [K/V, blocks, ...]
     k, v = block_views("l0", planes, 10)
     assert k.shape == (10, 32, 4, 64) and v.data_ptr() == planes[1].data_ptr()
@@ -27,18 +29,26 @@ def test_block_views_reject_other_layouts_clearly(cache):
         block_views("model.layers.0.attn", cache, 10)
 
 
+class _Results(list):
+    def __call__(self, tid, answer):
+        self.append((tid, answer))
+
+    def wait(self, n=1, timeout=5.0):
+        deadline = time.monotonic() + timeout
+        while len(self) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return list(self)
+
+
 def test_destination_posted_by_decode_is_taken_once_by_prefill():
-    server = DestinationServer("127.0.0.1", 0)
-    poster = DestinationPoster(timeout_s=1.0, retries=0)
+    server = DestinationServer("127.0.0.1", 0, facts={"prefill_tp": 2})
+    results = _Results()
+    poster = DestinationPoster(results, timeout_s=1.0, retries=0)
     try:
         poster.post(server.address, {"transfer_id": "t1", "block_ids": [4, 5], "start_token": 0,
-                                     "peer": {"engine_id": "d"}})
-        deadline = time.monotonic() + 5
-        dest = None
-        while dest is None and time.monotonic() < deadline:
-            dest = server.take("t1")
-            time.sleep(0.01)
-        assert dest == {"block_ids": [4, 5], "start_token": 0, "peer": {"engine_id": "d"}}
+                                     "peers": [{"engine_id": "d"}]})
+        assert results.wait() == [("t1", {"ok": True, "prefill_tp": 2})]
+        assert server.take("t1") == {"block_ids": [4, 5], "start_token": 0, "peers": [{"engine_id": "d"}]}
         assert server.take("t1") is None
         assert poster.failures == 0
     finally:
@@ -57,10 +67,12 @@ def _ask(address, payload: bytes) -> bytes:
 def test_side_channel_is_bounded_and_refuses_malformed_messages():
     server = DestinationServer("127.0.0.1", 0, capacity=2)
     try:
-        msg = {"block_ids": [1], "start_token": 0, "peer": {}}
+        msg = {"block_ids": [1], "start_token": 0, "peers": [{}]}
         assert _ask(server.address, b"not json\n") == b"bad"
         assert _ask(server.address, json.dumps({"transfer_id": "x"}).encode() + b"\n") == b"bad"
-        for tid, answer in [("a", b"ok"), ("b", b"ok"), ("c", b"full")]:
+        assert _ask(server.address, json.dumps(dict(msg, transfer_id="x", peers=[])).encode() + b"\n") == b"bad"
+        ok = b'{"ok": true}'
+        for tid, answer in [("a", ok), ("b", ok), ("c", b"full")]:
             assert _ask(server.address, json.dumps(dict(msg, transfer_id=tid)).encode() + b"\n") == answer
         assert server.take("c") is None and server.take("a") is not None
     finally:
@@ -71,12 +83,12 @@ def test_posting_to_a_dead_prefill_side_gives_up_within_its_bound():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    poster = DestinationPoster(timeout_s=0.5, retries=2)
+    results = _Results()
+    poster = DestinationPoster(results, timeout_s=0.5, retries=2)
     try:
         start = time.monotonic()
         poster.post(f"127.0.0.1:{port}", {"transfer_id": "t"})
-        while poster.failures == 0 and time.monotonic() - start < 10:
-            time.sleep(0.01)
+        assert results.wait(timeout=10) == [("t", None)]  # the decode side fails the request
         assert poster.failures == 1
         assert time.monotonic() - start < 3 * 0.5 + 1.0
     finally:
@@ -128,13 +140,13 @@ def test_prefill_scheduler_waits_for_its_destination_then_pushes_each_chunk():
     from torch_kvops.integrations.vllm.scheduler import ProducerScheduler
 
     sched = ProducerScheduler(KvopsSettings(wait_for_decode_s=30), block_size=32)
-    poster = DestinationPoster(timeout_s=1.0, retries=0)
+    poster = DestinationPoster(_Results(), timeout_s=1.0, retries=0)
     try:
         sched.kv_cache_manager = _Blocks({"r": [10, 11, 12, 13]})
         req = _Request("r", {"do_remote_decode": True, "transfer_id": "t"}, prompt=100)
         assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # not yet: ask later
         poster.post(sched.server.address, {"transfer_id": "t", "block_ids": [20, 21, 22, 23],
-                                           "start_token": 0, "peer": {"engine_id": "d"}})
+                                           "start_token": 0, "peers": [{"engine_id": "d"}]})
         _wait_for_destination(sched, req)
         pushes = []
         for computed, scheduled in [(0, 40), (40, 40), (80, 20), (100, 1)]:  # 3 chunks + decode
@@ -175,25 +187,27 @@ def test_decode_scheduler_claims_the_prompt_posts_its_blocks_and_counts_local_to
     from torch_kvops.integrations.vllm.metadata import KvopsConnectorMetadata
     from torch_kvops.integrations.vllm.scheduler import ConsumerScheduler
 
-    server = DestinationServer("127.0.0.1", 0)
+    server = DestinationServer("127.0.0.1", 0, facts={"prefill_tp": 2})
     sched = ConsumerScheduler(KvopsSettings())
     try:
-        sched.peer_info = {"engine_id": "d"}
+        sched.peers = [{"engine_id": "d0"}, {"engine_id": "d1"}]
         sched.kv_cache_manager = _Blocks({"r": [7, 8, 9, 3]})
         params = {"do_remote_prefill": True, "transfer_id": "t", "kvops_producer": server.address}
         req = _Request("r", params, prompt=100)
         assert sched.get_num_new_matched_tokens(req, 0) == (100, True)
         sched.update_state_after_alloc(req, None, 100)
         assert params["do_remote_prefill"] is False  # one transfer per request
-        meta = KvopsConnectorMetadata()
-        sched.build_connector_meta(_Out({}), meta)
-        assert [(r.req_id, r.transfer_id) for r in meta.recv] == [("r", "t")]
+        # the workers hear of the request once P accepted it (P's answer names its TP size)
+        recv = []
         deadline = time.monotonic() + 5
-        dest = None
-        while dest is None and time.monotonic() < deadline:
-            dest = server.take("t")
+        while not recv and time.monotonic() < deadline:
+            meta = KvopsConnectorMetadata()
+            sched.build_connector_meta(_Out({}), meta)
+            recv = meta.recv
             time.sleep(0.01)
-        assert dest == {"block_ids": [7, 8, 9, 3], "start_token": 0, "peer": {"engine_id": "d"}}
+        assert [(r.req_id, r.transfer_id, r.prefill_tp) for r in recv] == [("r", "t", 2)]
+        assert server.take("t") == {"block_ids": [7, 8, 9, 3], "start_token": 0,
+                                    "peers": [{"engine_id": "d0"}, {"engine_id": "d1"}]}
 
         class _Output:
             finished_recving = {"r"}

@@ -23,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import vllm_disagg  # noqa: E402  (the example's engine harness)
 
+from torch_kvops.integrations.vllm.probes import counter_total  # noqa: E402
 from torch_kvops.testing.hf_model import write_context_model  # noqa: E402
 
 PROMPT_LENS = [300, 700]  # chunked at the budget: blocks cut by chunk boundaries
@@ -114,7 +115,7 @@ class Harness:
                 "local_prompt_tokens": vllm_disagg.local_prompt_tokens(out)}
 
     def integrity_failures(self) -> int:
-        return self.engines["DI"].ask("stats")["integrity_failures"]
+        return counter_total(self.engines["DI"].ask("stats"), "integrity_failures")
 
 
 def test_model_output_depends_on_its_context(engines):

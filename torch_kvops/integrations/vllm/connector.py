@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .metadata import KvopsConnectorMetadata, KvopsHandshake, KvopsSettings
 from .scheduler import ConsumerScheduler, ProducerScheduler
+from .tp import check_tp, merge_decode_peers
 from .worker import KvopsWorker
 
 if TYPE_CHECKING:
@@ -44,9 +45,10 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
         if kv_role not in _ROLES:
             raise ValueError(f"KvopsLayerwiseConnector needs kv_role kv_producer or kv_consumer, "
                              f"got {kv_role!r}")
-        if vllm_config.parallel_config.world_size != 1:
-            raise ValueError("KvopsLayerwiseConnector supports one worker per engine "
-                             "(no tensor/pipeline parallelism) in this version")
+        parallel = vllm_config.parallel_config
+        total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+        check_tp(total_kv_heads, parallel.tensor_parallel_size, vllm_config.model_config.use_mla,
+                 parallel.pipeline_parallel_size)
         groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
         if len(groups) > 1:
             raise ValueError("KvopsLayerwiseConnector supports one KV cache group "
@@ -57,10 +59,14 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
         self._worker: Optional[KvopsWorker] = None
         if role == KVConnectorRole.SCHEDULER:
             block_size = vllm_config.cache_config.block_size
-            self._scheduler = (ProducerScheduler(self.settings, block_size)
+            self._scheduler = (ProducerScheduler(self.settings, block_size, parallel.tensor_parallel_size)
                                if self.kv_role == "producer" else ConsumerScheduler(self.settings))
         else:
-            self._worker = KvopsWorker(self.settings, self.kv_role, kv_cache_config.num_blocks)
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = KvopsWorker(self.settings, self.kv_role, kv_cache_config.num_blocks,
+                                       total_kv_heads, get_tensor_model_parallel_rank(),
+                                       parallel.tensor_parallel_size)
 
     @property
     def side_channel_address(self) -> str:
@@ -141,10 +147,9 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
 
     def set_xfer_handshake_metadata(self, metadata: Dict[int, KVConnectorHandshakeMetadata]) -> None:
         if isinstance(self._scheduler, ConsumerScheduler):
-            if len(metadata) != 1:
-                raise ValueError(f"expected one decode worker's handshake, got {len(metadata)}")
-            (handshake,) = metadata.values()
-            self._scheduler.peer_info = handshake.peer_info
+            # one per worker; pipeline parallelism is refused, so the ranks are TP ranks
+            self._scheduler.peers = merge_decode_peers(
+                {h.peer_info["tp_rank"]: h.peer_info for h in metadata.values()})
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> Tuple[Optional[int], bool]:

@@ -60,11 +60,12 @@ class KvopsSettings:
 
 @dataclass
 class PushReq:
-    """Producer: push these blocks of request ``req_id`` in this step."""
+    """Producer: push these blocks of request ``req_id`` in this step. Every prefill
+    rank gets the same entry and sends its share of the heads (tp.py)."""
 
     req_id: str  # this engine's request id
-    transfer_id: str  # shared with the decode side (LayerwiseConnector request id)
-    peer_info: dict
+    transfer_id: str  # shared with the decode side; parts of it are LayerwiseConnector ids
+    peers: List[dict]  # the decode engine's per-rank peer_info, by rank
     src_blocks: List[int]
     dst_blocks: List[int]
     last_chunk: bool
@@ -73,10 +74,12 @@ class PushReq:
 
 @dataclass
 class RecvReq:
-    """Consumer: blocks of ``req_id`` will be pushed under ``transfer_id``."""
+    """Consumer: blocks of ``req_id`` will be pushed under ``transfer_id`` by a prefill
+    engine of ``prefill_tp`` ranks (0: its destination could not be posted, fail it)."""
 
     req_id: str
     transfer_id: str
+    prefill_tp: int
 
 
 class KvopsConnectorMetadata(KVConnectorMetadata):
@@ -89,6 +92,7 @@ class KvopsConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KvopsHandshake(KVConnectorHandshakeMetadata):
-    """Decode worker -> its scheduler: the consumer's peer_info (addresses, layout)."""
+    """Decode worker -> its scheduler: the rank's consumer peer_info (addresses, layout,
+    ``tp_rank``)."""
 
     peer_info: dict

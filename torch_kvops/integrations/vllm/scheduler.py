@@ -5,7 +5,8 @@ Protocol (docs/vllm.md): the proxy sends the request to D with
 ``{"do_remote_prefill": true, "transfer_id": T, "kvops_producer": "host:port"}`` and to
 P with ``{"do_remote_decode": true, "transfer_id": T}``. D reports the whole prompt
 as an asynchronous external hit, allocates its blocks, and posts ``{T, block ids,
-peer_info}`` to P's side channel. P does not schedule the request until that
+per-rank peer_info}`` to P's side channel, which answers with P's tensor-parallel size
+(each D rank then knows which parts of T it receives: tp.py). P does not schedule the request until that
 destination arrived (``get_num_new_matched_tokens`` answers None, so the scheduler
 asks again next step without blocking), at most ``wait_for_decode_s``; then every
 prefill chunk pushes the blocks it wrote into D's blocks at the same positions.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
@@ -38,7 +40,7 @@ class _Push:
     request: "Request"
     transfer_id: str
     dst_blocks: List[int]
-    peer_info: dict
+    peers: List[dict]
     pushed_tokens: int  # tokens before this were pushed already (or cached on D)
     push_mode: str
     emitted: bool = False  # some chunk was handed to the worker
@@ -48,9 +50,10 @@ class _Push:
 class ProducerScheduler:
     """P side: waits for each request's destination, then plans per-chunk pushes."""
 
-    def __init__(self, settings: KvopsSettings, block_size: int) -> None:
+    def __init__(self, settings: KvopsSettings, block_size: int, tp_size: int = 1) -> None:
         self.settings, self.block_size = settings, block_size
-        self.server = DestinationServer(settings.side_channel_host, settings.side_channel_port)
+        self.server = DestinationServer(settings.side_channel_host, settings.side_channel_port,
+                                        facts={"prefill_tp": tp_size})
         self._waiting: Dict[str, float] = {}  # req_id -> deadline for its destination
         self._no_push: Set[str] = set()
         self._pushes: Dict[str, _Push] = {}
@@ -83,7 +86,7 @@ class ProducerScheduler:
         mode = str(params.get("kvops_push_mode", self.settings.push_mode))
         if mode not in PUSH_MODES:
             raise ValueError(f"request {req_id}: kvops_push_mode must be one of {PUSH_MODES}")
-        self._pushes[req_id] = _Push(request, tid, dest["block_ids"], dest["peer"],
+        self._pushes[req_id] = _Push(request, tid, dest["block_ids"], dest["peers"],
                                      pushed_tokens=dest["start_token"], push_mode=mode)
         return 0, False
 
@@ -108,7 +111,7 @@ class ProducerScheduler:
             push.pushed_tokens = end
             push.done = end >= prompt
             push.emitted = True
-            meta.push.append(PushReq(req_id, push.transfer_id, push.peer_info, src[first:last],
+            meta.push.append(PushReq(req_id, push.transfer_id, push.peers, src[first:last],
                                      push.dst_blocks[first:last], push.done, push.push_mode))
 
     def request_finished(self, request: "Request") -> Tuple[bool, Optional[Dict[str, Any]]]:
@@ -138,8 +141,12 @@ class ConsumerScheduler:
 
     def __init__(self, settings: KvopsSettings) -> None:
         self.settings = settings
-        self.poster = DestinationPoster(settings.post_timeout_s, settings.post_retries)
-        self.peer_info: Optional[dict] = None  # from the worker's handshake
+        self.poster = DestinationPoster(self._posted, settings.post_timeout_s, settings.post_retries)
+        self.peers: Optional[List[dict]] = None  # per-rank peer_info, from the workers' handshakes
+        # transfer id -> request id, until P answered the post (the poster thread
+        # appends answers to _answers; the engine thread turns them into RecvReqs)
+        self._posting: Dict[str, str] = {}
+        self._answers: "deque[Tuple[str, int]]" = deque()
         self._new: List[RecvReq] = []
         self._in_flight: Set[str] = set()  # P may still write into these requests' blocks
         # prompt tokens D computed itself per remote-prefilled request (reported back in
@@ -171,20 +178,35 @@ class ConsumerScheduler:
         params["do_remote_prefill"] = False  # one transfer per request
         if num_external_tokens == 0:
             return
-        if self.peer_info is None:
-            raise RuntimeError("the decode worker sent no handshake (peer_info)")
+        if self.peers is None:
+            raise RuntimeError("the decode workers sent no handshake (peer_info)")
         tid = str(params["transfer_id"])
         block_ids = list(self.kv_cache_manager.get_block_ids(request.request_id)[0])
+        self._posting[tid] = request.request_id
+        self._in_flight.add(request.request_id)
         self.poster.post(str(params["kvops_producer"]), {
             "transfer_id": tid, "block_ids": block_ids,
             # tokens before this are local prefix-cache hits on D: P need not push them
             "start_token": request.num_prompt_tokens - num_external_tokens,
-            "peer": self.peer_info})
-        self._new.append(RecvReq(request.request_id, tid))
-        self._in_flight.add(request.request_id)
+            "peers": self.peers})
         self._local_prompt[request.request_id] = (request, 0)
 
+    def _posted(self, tid: str, answer: Optional[dict]) -> None:
+        """Poster thread: P accepted the destination (its answer) or never will (None)."""
+        prefill_tp = 0
+        if answer is not None:
+            try:
+                prefill_tp = int(answer.get("prefill_tp", 1))
+            except (TypeError, ValueError):
+                log.error("transfer %s: prefill side answered a bad prefill_tp: %r", tid, answer)
+        self._answers.append((tid, prefill_tp))
+
     def build_connector_meta(self, out: "SchedulerOutput", meta: KvopsConnectorMetadata) -> None:
+        while self._answers:
+            tid, prefill_tp = self._answers.popleft()
+            req_id = self._posting.pop(tid, None)
+            if req_id is not None:
+                self._new.append(RecvReq(req_id, tid, prefill_tp))
         meta.recv, self._new = self._new, []
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             entry = self._local_prompt.get(req_id)

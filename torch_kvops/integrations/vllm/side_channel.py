@@ -1,8 +1,10 @@
 """Decode -> prefill side channel: the decode scheduler posts, for each request it
-allocated blocks for, ``{transfer_id, block_ids, start_token, peer}`` to a small TCP
-endpoint of the prefill scheduler.
+allocated blocks for, ``{transfer_id, block_ids, start_token, peers}`` (``peers``: the
+decode engine's per-rank peer_info) to a small TCP endpoint of the prefill scheduler.
 
-One JSON line per connection, answered with one line (``ok`` / ``full`` / ``bad``).
+One JSON line per connection, answered with one line: ``{"ok": true, ...}`` carrying
+the prefill engine's facts the decode side needs (its tensor-parallel size), or
+``full`` / ``bad``.
 Every socket call has a timeout; both sides hold bounded state; neither runs in the
 engine loop (the server has its own thread, the poster a thread fed by a bounded
 queue), so a slow or dead peer never blocks scheduling.
@@ -16,7 +18,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +42,9 @@ class DestinationServer:
     oldest is dropped, after ``ttl_s`` at the latest) until the scheduler takes them."""
 
     def __init__(self, host: str, port: int, capacity: int = 4096, ttl_s: float = 300.0,
-                 io_timeout_s: float = 2.0) -> None:
+                 io_timeout_s: float = 2.0, facts: Optional[dict] = None) -> None:
         self._capacity, self._ttl_s, self._io_timeout_s = capacity, ttl_s, io_timeout_s
+        self._accepted = json.dumps(dict(facts or {}, ok=True)).encode()
         self._lock = threading.Lock()
         self._dests: "OrderedDict[str, Tuple[float, dict]]" = OrderedDict()
         self._stop = threading.Event()
@@ -90,7 +93,10 @@ class DestinationServer:
             msg = json.loads(line)
             tid = str(msg["transfer_id"])
             dest = {"block_ids": [int(b) for b in msg["block_ids"]],
-                    "start_token": int(msg["start_token"]), "peer": dict(msg["peer"])}
+                    "start_token": int(msg["start_token"]),
+                    "peers": [dict(p) for p in msg["peers"]]}
+            if not dest["peers"]:
+                raise ValueError("no decode peers")
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("side channel: malformed destination: %s", exc)
             return b"bad"
@@ -100,7 +106,7 @@ class DestinationServer:
                 log.error("side channel full (%d destinations): refusing %s", self._capacity, tid)
                 return b"full"
             self._dests[tid] = (time.monotonic() + self._ttl_s, dest)
-        return b"ok"
+        return self._accepted
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -112,10 +118,13 @@ class DestinationServer:
 
 class DestinationPoster:
     """Decode side: posts destinations from a bounded queue on its own thread, each
-    with ``timeout_s`` per attempt and ``retries`` retries. A post that fails is logged;
-    the request then fails (or is recomputed) when its consumer lease expires."""
+    with ``timeout_s`` per attempt and ``retries`` retries. Every post ends in one call
+    of ``on_result(transfer_id, answer)``: the prefill side's answer (a dict), or None
+    if it refused or could not be reached (the request then fails on the decode side)."""
 
-    def __init__(self, timeout_s: float = 2.0, retries: int = 2, capacity: int = 1024) -> None:
+    def __init__(self, on_result: Callable[[str, Optional[dict]], None], timeout_s: float = 2.0,
+                 retries: int = 2, capacity: int = 1024) -> None:
+        self._on_result = on_result
         self._timeout_s, self._retries = timeout_s, retries
         self._queue: "queue.Queue[Tuple[str, dict]]" = queue.Queue(maxsize=capacity)
         self._stop = threading.Event()
@@ -131,6 +140,7 @@ class DestinationPoster:
         except queue.Full:
             log.error("destination queue full: %s not posted", message.get("transfer_id"))
             self.failures += 1
+            self._on_result(str(message.get("transfer_id")), None)
             return False
 
     def _run(self) -> None:
@@ -142,26 +152,38 @@ class DestinationPoster:
             self._send(address, message)
 
     def _send(self, address: str, message: dict) -> None:
+        tid = str(message.get("transfer_id"))
+        answer = None
+        try:
+            answer = self._post(address, message)
+        finally:
+            if answer is None:
+                self.failures += 1
+            self._on_result(tid, answer)
+
+    def _post(self, address: str, message: dict) -> Optional[dict]:
         host, port = address.rsplit(":", 1)
         payload = json.dumps(message).encode() + b"\n"
         for attempt in range(self._retries + 1):
             if self._stop.is_set():
-                return
+                return None
             try:
                 with socket.create_connection((host, int(port)), timeout=self._timeout_s) as sock:
                     sock.settimeout(self._timeout_s)
                     sock.sendall(payload)
-                    answer = _read_line(sock, 64).strip()
-                if answer == b"ok":
-                    return
+                    answer = _read_line(sock, 4096).strip()
+                if answer.startswith(b"{"):
+                    reply = json.loads(answer)
+                    if isinstance(reply, dict) and reply.get("ok") is True:
+                        return reply
                 log.error("prefill side at %s refused %s: %s", address,
                           message.get("transfer_id"), answer.decode(errors="replace"))
-                break  # "full" or "bad": retrying the same message will not help
+                return None  # "full" or "bad": retrying the same message will not help
             except (OSError, ConnectionError, ValueError) as exc:
                 log.warning("posting %s to %s failed (attempt %d): %s",
                             message.get("transfer_id"), address, attempt + 1, exc)
                 time.sleep(0.05 * (2 ** attempt))
-        self.failures += 1
+        return None
 
     def close(self, timeout: float = 10.0) -> None:
         self._stop.set()

@@ -15,6 +15,7 @@ from ...connector import LayerwiseConnector
 from ...plan import TransferRequest
 from ...transports import MooncakeTransport
 from .metadata import KvopsConnectorMetadata, KvopsSettings
+from .tp import expected_parts, part_id, plan_parts, rank_heads
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +29,20 @@ def _layer_index(name: str) -> int:
     return int(found[0])
 
 
-def block_views(name: str, cache: torch.Tensor, num_blocks: int) -> List[torch.Tensor]:
-    """Views of one layer's cache with dim 0 = block and contiguous blocks, which is
-    what LayerwiseConnector moves.
+def block_views(name: str, cache: torch.Tensor, num_blocks: int,
+                local_heads: Optional[int] = None) -> List[torch.Tensor]:
+    """Views of one layer's cache with dim 0 = transfer unit and contiguous units, which
+    is what LayerwiseConnector moves.
 
-    Supported: ``[num_blocks, ...]`` (vLLM's CPU backend: ``[num_blocks, kv_heads,
-    block_size, 2 * head_size]``) and ``[2, num_blocks, ...]`` (K and V planes, e.g. the
-    flash-attention layout), each with contiguous blocks."""
+    Supported: ``[num_blocks, kv_heads, ...]`` contiguous (vLLM's CPU backend:
+    ``[num_blocks, kv_heads, block_size, 2 * head_size]``), moved by KV head of a block
+    (``[num_blocks * kv_heads, ...]``, tp.py) when ``local_heads`` names dim 1; and
+    ``[num_blocks, ...]`` or ``[2, num_blocks, ...]`` (K and V planes, e.g. the
+    flash-attention layout) with contiguous blocks, moved by whole blocks (equal
+    tensor parallelism only: a head range of a block is not contiguous there)."""
+    if (local_heads is not None and cache.dim() >= 3 and cache.size(0) == num_blocks
+            and cache.size(1) == local_heads and cache.is_contiguous()):
+        return [cache.view(num_blocks * local_heads, *cache.shape[2:])]
     if cache.dim() >= 2 and cache.size(0) == num_blocks and cache[0].is_contiguous():
         return [cache]
     if (cache.dim() >= 3 and cache.size(0) == 2 and cache.size(1) == num_blocks
@@ -47,10 +55,16 @@ def block_views(name: str, cache: torch.Tensor, num_blocks: int) -> List[torch.T
 
 
 class KvopsWorker:
-    """One per worker process. ``role`` is "producer" (P) or "consumer" (D)."""
+    """One per worker process (one per tensor-parallel rank). ``role`` is "producer"
+    (P) or "consumer" (D); ``total_kv_heads`` is the model's, ``tp_rank``/``tp_size``
+    this engine's."""
 
-    def __init__(self, settings: KvopsSettings, role: str, num_blocks: int) -> None:
+    def __init__(self, settings: KvopsSettings, role: str, num_blocks: int, total_kv_heads: int = 1,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
         self.settings, self.role, self.num_blocks = settings, role, num_blocks
+        self.total_kv_heads, self.tp_rank, self.tp_size = total_kv_heads, tp_rank, tp_size
+        self.heads = rank_heads(total_kv_heads, tp_size, tp_rank)
+        self._by_head = False  # units are heads of blocks (tp.py), else whole blocks
         self.transport = MooncakeTransport(host=settings.host)
         try:
             self.conn = LayerwiseConnector(role, self.transport, settings.connector_config())
@@ -64,25 +78,37 @@ class KvopsWorker:
         self._steps: deque = deque(maxlen=256)  # recent push steps, for recent_steps()
         self._peers: Dict[str, str] = {}  # consumer engine id -> peer id
         # producer: per request id
-        self._tid_to_req: Dict[str, str] = {}
+        self._tid_to_req: Dict[str, str] = {}  # part id -> request id
+        self._parts: Dict[str, Set[str]] = {}  # request id -> its parts not yet ended
+        self._parts_seen: Dict[str, Set[str]] = {}  # request id -> every part it had
         self._last_started: Set[str] = set()  # the last chunk was handed to start_step
         self._outcome: Set[str] = set()  # the producer reported finished or failed
         self._sched_finished: Dict[str, float] = {}  # finished by the scheduler, since
         self._known: Set[str] = set()  # requests with pushes: their blocks wait for us
         # consumer
-        self._recv_tid_to_req: Dict[str, str] = {}
+        self._recv_tid_to_req: Dict[str, str] = {}  # part id -> request id
+        self._recv_left: Dict[str, Set[str]] = {}  # request id -> parts not yet ended
+        self._recv_bad: Set[str] = set()  # requests with a failed part
         # transfers that ended before their request reached this worker (P was faster
         # than this engine's step): tid -> ok, matched in begin_step
         self._early: "OrderedDict[str, bool]" = OrderedDict()
-        self._early_done: Set[str] = set()
-        self._early_failed: Set[str] = set()
+        self._ended_ok: Set[str] = set()
+        self._ended_failed: Set[str] = set()
         self._dead_peers: Dict[str, str] = {}  # consumer engine id -> why add_peer failed
         self._failed_recv: Set[str] = set()
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         caches = []
+        first = kv_caches[min(kv_caches, key=_layer_index)]
+        self._by_head = (first.dim() >= 3 and first.size(0) == self.num_blocks
+                         and first.size(1) == len(self.heads) and first.is_contiguous())
+        if not self._by_head and self.tp_size > 1:
+            raise ValueError(f"KV cache layout shape={tuple(first.shape)}: tensor parallelism needs "
+                             "[num_blocks, kv_heads, ...] with contiguous blocks (a head range of a "
+                             "block must be contiguous to move it between ranks)")
         for name in sorted(kv_caches, key=_layer_index):
-            views = block_views(name, kv_caches[name], self.num_blocks)
+            views = block_views(name, kv_caches[name], self.num_blocks,
+                                len(self.heads) if self._by_head else None)
             self._views[name] = [(len(caches) + i, v) for i, v in enumerate(views)]
             caches.extend(views)
         self._all_views = [iv for name in self._views for iv in self._views[name]]
@@ -91,33 +117,37 @@ class KvopsWorker:
                  len(caches), tuple(caches[0].shape))
 
     def peer_info(self) -> dict:
-        return self.conn.peer_info()
+        """This rank's consumer peer_info, with its tensor-parallel rank and how its
+        units address heads."""
+        return dict(self.conn.peer_info(), tp_rank=self.tp_rank, tp_size=self.tp_size,
+                    by_head=self._by_head)
 
     # ------------------------------------------------------------------ per step
 
     def begin_step(self, meta: KvopsConnectorMetadata) -> None:
         if self.role == "consumer":
             for recv in meta.recv:
-                early = self._early.pop(recv.transfer_id, None)
-                if early is None:
-                    self._recv_tid_to_req[recv.transfer_id] = recv.req_id
-                    self.conn.expect(recv.transfer_id)
-                    log.debug("expecting %s at %.4f", recv.transfer_id, time.monotonic())
-                else:
-                    (self._early_done if early else self._early_failed).add(recv.req_id)
+                self._expect(recv.req_id, recv.transfer_id, recv.prefill_tp)
             return
         requests, modes = [], set()
         for push in meta.push:
             self._known.add(push.req_id)
-            peer = self._peer(push.peer_info)
-            if peer is None:  # decode side unreachable: the request's push failed
+            parts = self._parts.setdefault(push.req_id, set())
+            seen = self._parts_seen.setdefault(push.req_id, set())
+            for part in self._plan(push):
+                if part is None:  # a decode rank unreachable: that part failed
+                    continue
+                if part.req_id not in seen:  # an ended part is not waited for again
+                    seen.add(part.req_id)
+                    parts.add(part.req_id)
+                    self._tid_to_req[part.req_id] = push.req_id
+                requests.append(part)  # the connector drops chunks of a failed part
+            if not parts:  # nothing of it to send from this rank, or nowhere to send it
+                self._parts.pop(push.req_id)
                 self._outcome.add(push.req_id)
                 continue
-            self._tid_to_req[push.transfer_id] = push.req_id
             if push.last_chunk:
                 self._last_started.add(push.req_id)
-            requests.append(TransferRequest(push.transfer_id, peer, push.src_blocks,
-                                            push.dst_blocks, last_chunk=push.last_chunk))
             modes.add(push.push_mode)
         if requests:
             log.debug("start_step %s at %.4f", [r.req_id for r in requests], time.monotonic())
@@ -125,7 +155,62 @@ class KvopsWorker:
             # one mode per step: a step holding any after-forward request pushes after
             # the forward (a per-request split would need two steps' worth of pushes)
             self._step_mode = "after_forward" if "after_forward" in modes else "layerwise"
-            self._step_tids = [r.req_id for r in requests]
+            self._step_tids = sorted({p.transfer_id for p in meta.push})
+
+    def _plan(self, push) -> List[Optional[TransferRequest]]:
+        """This rank's parts of one chunk: per decode rank it sends heads to, the units
+        of those heads in the chunk's blocks (None for a rank that cannot be reached)."""
+        decode_tp = len(push.peers)
+        by_head = all(p.get("by_head") for p in push.peers) and self._by_head
+        if not by_head and (decode_tp != self.tp_size or not self._by_head and self.tp_size != 1):
+            raise ValueError(f"request {push.req_id}: different tensor-parallel sizes ({self.tp_size} "
+                             f"-> {decode_tp}) need head-addressable caches on both sides")
+        out: List[Optional[TransferRequest]] = []
+        if not by_head:  # whole blocks, rank to rank
+            peer = self._peer(push.peers[self.tp_rank])
+            out.append(None if peer is None else TransferRequest(
+                part_id(push.transfer_id, self.tp_rank, self.tp_rank), peer, push.src_blocks,
+                push.dst_blocks, last_chunk=push.last_chunk))
+            return out
+        for plan in plan_parts(self.total_kv_heads, self.tp_size, self.tp_rank, decode_tp):
+            peer = self._peer(push.peers[plan.decode_rank])
+            if peer is None:
+                out.append(None)
+                continue
+            src, dst = plan.units(push.src_blocks, push.dst_blocks)
+            out.append(TransferRequest(part_id(push.transfer_id, self.tp_rank, plan.decode_rank),
+                                       peer, src, dst, last_chunk=push.last_chunk))
+        return out
+
+    def _expect(self, req_id: str, transfer_id: str, prefill_tp: int) -> None:
+        """Consumer: wait for the parts of ``transfer_id`` this rank receives (tp.py)."""
+        if prefill_tp <= 0:  # the destination never reached P: nothing will come
+            log.warning("request %s: its destination was not accepted by the prefill side", req_id)
+            self._ended_failed.add(req_id)
+            return
+        if self._by_head:
+            parts = expected_parts(transfer_id, self.total_kv_heads, prefill_tp, self.tp_size,
+                                   self.tp_rank)
+        else:
+            parts = [part_id(transfer_id, self.tp_rank, self.tp_rank)]
+        left = self._recv_left[req_id] = set()
+        for part in parts:
+            early = self._early.pop(part, None)
+            if early is None:
+                left.add(part)
+                self._recv_tid_to_req[part] = req_id
+                self.conn.expect(part)
+            elif not early:
+                self._recv_bad.add(req_id)
+        log.debug("expecting %s (%s) at %.4f", transfer_id, parts, time.monotonic())
+        if not left:
+            self._recv_ended(req_id)
+
+    def _recv_ended(self, req_id: str) -> None:
+        """Every part of the request ended here: report it once (failed if any part did)."""
+        del self._recv_left[req_id]
+        (self._ended_failed if req_id in self._recv_bad else self._ended_ok).add(req_id)
+        self._recv_bad.discard(req_id)
 
     def _peer(self, info: dict) -> Optional[str]:
         """The peer id of a decode instance, connecting on first use; None if it cannot
@@ -179,8 +264,8 @@ class KvopsWorker:
         """(finished_sending, finished_recving, failed_recving) as vLLM request ids."""
         done, failed = self.conn.get_finished()
         if self.role == "consumer":
-            recving, bad = self._early_done | self._early_failed, set(self._early_failed)
-            self._early_done, self._early_failed = set(), set()
+            recving, bad = self._ended_ok | self._ended_failed, set(self._ended_failed)
+            self._ended_ok, self._ended_failed = set(), set()
             for tid in done | failed:
                 req_id = self._recv_tid_to_req.pop(tid, None)
                 if req_id is None:
@@ -191,16 +276,28 @@ class KvopsWorker:
                     continue
                 log.debug("transfer %s landed (%s) at %.4f", tid, "ok" if tid in done else "failed",
                           time.monotonic())
-                recving.add(req_id)
                 if tid in failed:
-                    bad.add(req_id)
+                    self._recv_bad.add(req_id)
+                left = self._recv_left[req_id]
+                left.discard(tid)
+                if not left:
+                    self._recv_ended(req_id)
+            recving |= self._ended_ok | self._ended_failed
+            bad |= self._ended_failed
+            self._ended_ok, self._ended_failed = set(), set()
             return set(), recving, bad
         for tid in done | failed:
             req_id = self._tid_to_req.pop(tid, None)
             if req_id is not None:
-                self._outcome.add(req_id)
                 if tid in failed:
                     log.warning("push of request %s (transfer %s) failed", req_id, tid)
+                parts = self._parts.get(req_id)
+                if parts is not None:
+                    parts.discard(tid)
+                    if parts:
+                        continue  # other parts of it may still read its blocks
+                    del self._parts[req_id]
+                self._outcome.add(req_id)
         now = time.monotonic()
         for req_id in set(finished_req_ids) & self._known:
             self._sched_finished.setdefault(req_id, now)
@@ -213,6 +310,9 @@ class KvopsWorker:
                    if r in self._outcome or (r not in self._last_started and now - since >= quarantine)}
         for req_id in sending:
             del self._sched_finished[req_id]
+            self._parts_seen.pop(req_id, None)
+            for tid in self._parts.pop(req_id, ()):  # aborted before its parts ended
+                self._tid_to_req.pop(tid, None)
         self._outcome -= sending
         self._last_started -= sending
         self._known -= sending

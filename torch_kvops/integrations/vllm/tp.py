@@ -1,0 +1,119 @@
+"""Tensor parallelism: which KV heads each rank holds, which prefill rank sends which
+heads to which decode rank, and the transfer units that address them.
+
+vLLM splits the KV heads of a layer evenly over the tensor-parallel ranks; with fewer
+KV heads than ranks (GQA), each head is replicated on ``tp / kv_heads`` consecutive
+ranks. A transfer unit is one KV head of one block: with vLLM's CPU layout
+``[num_blocks, kv_heads, block_size, 2 * head]`` a head of a block is contiguous, so a
+rank's cache is viewed as ``[num_blocks * local_heads, block_size, 2 * head]`` and unit
+``block * local_heads + local_head`` addresses it. Runs of adjacent units (all heads of
+adjacent blocks) merge into one descriptor, so equal TP moves the same descriptors as
+whole blocks would.
+
+Each destination head is sent once, by the lowest prefill rank that holds it (replicas
+on other prefill ranks send nothing). Every (prefill rank, decode rank) pair that moves
+heads is one transfer "part" with its own id; a decode rank reports a request when
+every part it expects has ended, and failed if any part failed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """The global KV heads ``[start, stop)`` one rank holds."""
+
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+def rank_heads(total_kv_heads: int, tp_size: int, rank: int) -> HeadSlice:
+    """The KV heads vLLM gives ``rank`` of ``tp_size`` (replicated when fewer than ranks)."""
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank {rank} out of range for tensor parallel size {tp_size}")
+    if total_kv_heads >= tp_size:
+        if total_kv_heads % tp_size:
+            raise ValueError(f"{total_kv_heads} KV heads do not divide over {tp_size} ranks")
+        per = total_kv_heads // tp_size
+        return HeadSlice(rank * per, (rank + 1) * per)
+    if tp_size % total_kv_heads:
+        raise ValueError(f"{tp_size} ranks do not replicate {total_kv_heads} KV heads evenly")
+    head = rank // (tp_size // total_kv_heads)
+    return HeadSlice(head, head + 1)
+
+
+def source_rank(head: int, total_kv_heads: int, tp_size: int) -> int:
+    """The lowest prefill rank holding ``head``: the one that sends it."""
+    if total_kv_heads >= tp_size:
+        return head // (total_kv_heads // tp_size)
+    return head * (tp_size // total_kv_heads)
+
+
+def part_id(transfer_id: str, prefill_rank: int, decode_rank: int) -> str:
+    return f"{transfer_id}|p{prefill_rank}d{decode_rank}"
+
+
+def expected_parts(transfer_id: str, total_kv_heads: int, prefill_tp: int, decode_tp: int,
+                   decode_rank: int) -> List[str]:
+    """Decode side: the part ids ``decode_rank`` receives for one request."""
+    heads = rank_heads(total_kv_heads, decode_tp, decode_rank)
+    sources = sorted({source_rank(h, total_kv_heads, prefill_tp) for h in range(heads.start, heads.stop)})
+    return [part_id(transfer_id, s, decode_rank) for s in sources]
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    """Prefill side: the heads one prefill rank sends to one decode rank."""
+
+    decode_rank: int
+    heads: HeadSlice  # global heads sent (a subrange of both ranks' heads)
+    src_offset: int  # first sent head, counted in the prefill rank's local heads
+    dst_offset: int  # ... in the decode rank's local heads
+    src_heads: int  # local heads per block on the prefill rank
+    dst_heads: int  # ... on the decode rank
+
+    def units(self, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> Tuple[List[int], List[int]]:
+        """Transfer units (one head of one block) for these block pairs."""
+        n = len(self.heads)
+        src = [b * self.src_heads + self.src_offset + k for b in src_blocks for k in range(n)]
+        dst = [b * self.dst_heads + self.dst_offset + k for b in dst_blocks for k in range(n)]
+        return src, dst
+
+
+def plan_parts(total_kv_heads: int, prefill_tp: int, prefill_rank: int, decode_tp: int) -> List[PartPlan]:
+    """Prefill side: what ``prefill_rank`` sends to each decode rank (ranks it sends
+    nothing to are left out)."""
+    mine = rank_heads(total_kv_heads, prefill_tp, prefill_rank)
+    plans = []
+    for d in range(decode_tp):
+        theirs = rank_heads(total_kv_heads, decode_tp, d)
+        sent = [h for h in range(max(mine.start, theirs.start), min(mine.stop, theirs.stop))
+                if source_rank(h, total_kv_heads, prefill_tp) == prefill_rank]
+        if sent:
+            plans.append(PartPlan(d, HeadSlice(sent[0], sent[-1] + 1), sent[0] - mine.start,
+                                  sent[0] - theirs.start, len(mine), len(theirs)))
+    return plans
+
+
+def check_tp(total_kv_heads: int, tp_size: int, use_mla: bool, pp_size: int) -> None:
+    """Refuse at start-up what the connector cannot move, naming the setting."""
+    if pp_size != 1:
+        raise ValueError(f"KvopsLayerwiseConnector: pipeline parallelism (pipeline_parallel_size="
+                         f"{pp_size}) is not supported")
+    if use_mla:
+        raise ValueError("KvopsLayerwiseConnector: MLA models (one latent KV head replicated on "
+                         "every rank) are not supported in this version")
+    rank_heads(total_kv_heads, tp_size, 0)  # raises if the heads do not split evenly
+
+
+def merge_decode_peers(handshakes: Dict[int, dict]) -> List[dict]:
+    """Decode scheduler: the per-rank peer infos of its workers, ordered by rank."""
+    ranks = sorted(handshakes)
+    if ranks != list(range(len(ranks))):
+        raise ValueError(f"decode worker handshakes from ranks {ranks}, expected 0..{len(ranks) - 1}")
+    return [handshakes[r] for r in ranks]
