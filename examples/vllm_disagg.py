@@ -339,6 +339,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ap.add_argument("--records", action="store_true", help="include every timed request in the JSON")
     args = ap.parse_args(argv)
 
+    from torch_kvops.integrations.vllm.probes import counter_total
+
     lens = [int(x) for x in args.prompt_lens.split(",") if x]
     modes = [m for m in args.modes.split(",") if m]
     max_len = max(lens) + args.new_tokens + 16
@@ -493,7 +495,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
             if -(-lens[i] // args.max_num_batched_tokens) < 2:
                 raise SystemExit("--kill-prefill needs a prompt longer than --max-num-batched-tokens "
                                  "(P is killed between two of its chunks)")
-            steps_before = engines["P"].ask("stats")["steps"]
+            steps_before = counter_total(engines["P"].ask("stats"), "steps")
             seq += 1
             tid = f"kill-{seq}"
             sent = time.monotonic()
@@ -503,7 +505,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
             # kill P once it has pushed its first chunk: in the middle of the prefill,
             # whatever the machine's speed (P answers between two engine steps)
             deadline = time.monotonic() + args.timeout
-            while engines["P"].ask("stats")["steps"] <= steps_before:
+            while counter_total(engines["P"].ask("stats"), "steps") <= steps_before:
                 if time.monotonic() > deadline:
                     raise TimeoutError("P pushed no chunk of the request to kill")
                 time.sleep(0.005)
