@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import torch_kvops  # noqa: F401  (registers the ops)
-from torch_kvops.integrations.vllm.offload import (DescriptorBuilder, KvopsOffloadingSpec,
-                                                   KvopsOffloadingWorker, OffloadConfigError,
-                                                   OffloadJobError, build_host_tier)
-from vllm.v1.kv_offload.base import CanonicalKVCacheRef, GPULoadStoreSpec, TransferResult
+from torch_kvops.integrations.vllm.offload import KvopsOffloadingSpec, KvopsOffloadingWorker
+from torch_kvops.offload import (DescriptorBuilder, GroupRef, OffloadConfigError, OffloadJobError,
+                                 build_host_tier, copiers)
+from vllm.v1.kv_offload.base import (CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor,
+                                     GPULoadStoreSpec, TransferResult)
 from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
                                        OffloadingModelConfig, OffloadingParallelConfig)
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
@@ -39,9 +40,8 @@ class Setup:
                  engine_tensor(num_blocks, 2048, stride_pages=2, seed=3)]
         self.engine = [v for v, _ in views]
         self.buffers = [b for _, b in views]  # all bytes, the packed tensor's gaps included
-        self.refs = [[CanonicalKVCacheRef(0, 3000), CanonicalKVCacheRef(1, 3000)],
-                     [CanonicalKVCacheRef(2, 2048)]]
-        self.tier = build_host_tier(self.engine, self.pages, self.refs, 2, num_chunks, bpc)
+        self.refs = [[GroupRef(0, 3000), GroupRef(1, 3000)], [GroupRef(2, 2048)]]
+        self.tier = build_host_tier(self.engine, self.pages, self.refs, num_chunks, bpc)
         for h in self.tier.host:
             h.fill_(SENTINEL)
         self.worker = KvopsOffloadingWorker(self.tier)
@@ -55,8 +55,8 @@ class Setup:
             for k, block in enumerate(blocks):
                 position = start % self.bpc + k
                 for ref in self.refs[g]:
-                    out.append((ref.tensor_idx, block, chunks[position // self.bpc],
-                                position % self.bpc, ref.page_size_bytes))
+                    out.append((ref.region, block, chunks[position // self.bpc],
+                                position % self.bpc, ref.copy_bytes))
         return out
 
 
@@ -135,7 +135,7 @@ def test_host_addresses_match_vllm_sub_block_arithmetic(bpc):
             n = len(blocks[g])
             ours = dst[offset:offset + n]
             theirs = np.empty(n, dtype=np.uint64)
-            compute_sub_block_ptrs(np.asarray(chunks[g]), bpc, theirs, s.tier.host[ref.tensor_idx],
+            compute_sub_block_ptrs(np.asarray(chunks[g]), bpc, theirs, s.tier.host[ref.region],
                                    skip_count=starts[g] % bpc)
             assert ours.astype(np.uint64).tolist() == theirs.tolist()
             offset += n
@@ -152,7 +152,7 @@ def test_bad_job_is_refused_before_any_byte_moves():
         job([[3], [4]], [0, 0], [[1], [2, 5]]),       # a chunk too many
     ]
     for k, (src, dst) in enumerate(bad):
-        with pytest.raises(OffloadJobError, match=f"store job {k} refused, no byte moved"):
+        with pytest.raises(OffloadJobError, match=f"KV offloading: store job {k} refused, no byte moved"):
             s.worker.submit_store(k, src, dst)
     mismatched = GPULoadStoreSpec([3, 4], [2], [0])  # one group size for two groups
     with pytest.raises(OffloadJobError, match="for 2 offloaded cache groups"):
@@ -168,8 +168,6 @@ def test_failed_copy_is_an_error_never_a_finished_job(monkeypatch):
     def broken_copy(*args):
         raise RuntimeError("injected copy failure")
 
-    from torch_kvops.integrations.vllm.offload import copiers
-
     monkeypatch.setattr(copiers, "_copy", broken_copy)
     with pytest.raises(OffloadJobError, match=r"store job 5 \(3 copies, 8048 bytes\) failed: injected"):
         s.worker.submit_store(5, src, dst)
@@ -184,20 +182,36 @@ def test_worker_shutdown_releases_the_tier():
 
 
 def test_unaddressable_kv_tensors_fail_at_start_up():
-    refs = [[CanonicalKVCacheRef(0, 512)]]
+    refs = [[GroupRef(0, 512)]]
     strided = torch.zeros(8, 2, 512, dtype=torch.int8)[:, 0, :256]  # 256-byte blocks
     with pytest.raises(OffloadConfigError, match="page_size_bytes 512 does not fit a block of 256"):
-        build_host_tier([strided], [512], refs, 1, 4, 1)
+        build_host_tier([strided], [512], refs, 4, 1)
     noncontig = torch.zeros(8, 16, 32, dtype=torch.int8).transpose(1, 2)
-    with pytest.raises(OffloadConfigError, match="a block is not contiguous.*LBHNC"):
-        build_host_tier([noncontig], [512], refs, 1, 4, 1)
+    with pytest.raises(OffloadConfigError, match="a block is not contiguous.*kv_cache_layout LBHNC"):
+        build_host_tier([noncontig], [512], refs, 4, 1)
     ok = torch.zeros(8, 512, dtype=torch.int8)
     with pytest.raises(OffloadConfigError, match="page of 600 bytes does not fit"):
-        build_host_tier([ok], [512], [[CanonicalKVCacheRef(0, 600)]], 1, 4, 1)
-    with pytest.raises(OffloadConfigError, match="for 1 cache groups, the offloading config names 2"):
-        build_host_tier([ok], [512], refs, 2, 4, 1)
+        build_host_tier([ok], [512], [[GroupRef(0, 600)]], 4, 1)
+    with pytest.raises(OffloadConfigError, match="names KV tensor 1 of 1"):
+        build_host_tier([ok], [512], [[GroupRef(1, 512)]], 4, 1)
     with pytest.raises(OffloadConfigError, match="cache group 0 has no KV tensor"):
-        build_host_tier([ok], [512], [[]], 1, 4, 1)
+        build_host_tier([ok], [512], [[]], 4, 1)
+    with pytest.raises(OffloadConfigError, match="KV caches on meta are not supported"):
+        build_host_tier([torch.empty(8, 512, dtype=torch.int8, device="meta")], [512], refs, 4, 1)
+
+
+def test_spec_refuses_kv_caches_of_other_cache_groups_at_start_up():
+    spec = KvopsOffloadingSpec(offloading_config({"num_cpu_blocks": 4}))  # one group
+    tensor = torch.zeros(8, 512, dtype=torch.int8)
+    two_groups = CanonicalKVCaches([CanonicalKVCacheTensor(tensor, 512)],
+                                   [[CanonicalKVCacheRef(0, 512)], [CanonicalKVCacheRef(0, 512)]])
+    with pytest.raises(OffloadConfigError, match="KV tensors for 2 cache groups, the offloading config names 1"):
+        spec.get_worker(two_groups)
+    one_group = CanonicalKVCaches([CanonicalKVCacheTensor(tensor, 512)], [[CanonicalKVCacheRef(0, 512)]])
+    worker = spec.get_worker(one_group)
+    assert isinstance(worker, KvopsOffloadingWorker) and spec.get_worker(one_group) is worker
+    assert [h.shape for h in worker.tier.host] == [(4, 512)]  # num_cpu_blocks rows
+    worker.shutdown()
 
 
 def offloading_config(extra, blocks_per_chunk=1, bytes_per_block=4 * 32768):

