@@ -258,3 +258,12 @@ def test_results_carry_bytes_and_seconds_for_vllm_metrics():
     assert [type(r) for r in results] == [TransferResult, TransferResult]
     assert [(r.job_id, r.transfer_size) for r in results] == [(1, 3000 * 2 + 2048), (2, 3000 * 2 + 2048)]
     assert all(r.transfer_time is not None for r in results)
+
+
+def test_bench_offload_scenario_times_a_checked_job():
+    from torch_kvops.bench import offload as offload_bench
+
+    row = offload_bench.scenario(2048, layers=2, blocks=3, device=torch.device("cpu"), repeats=2)
+    assert row["descriptors"] == 6 and row["bytes"] == 6 * 2048
+    assert set(row["seconds"]) == {"store", "load", "contiguous"}
+    assert row["store_vs_limit"] > 0 and row["load_vs_limit"] > 0 and row["descriptor_build_us"] > 0

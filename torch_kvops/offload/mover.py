@@ -43,6 +43,12 @@ class HostTierMover:
         """Host ``chunks`` -> engine blocks (arguments as :meth:`store`)."""
         self._submit("load", job_id, engine_blocks, group_sizes, block_indices, chunks)
 
+    def descriptors(self, engine_blocks: Sequence[int], group_sizes: Sequence[int],
+                    block_indices: Sequence[int], chunks: Sequence[int], to_host: bool) -> CopyDescriptors:
+        """The copies a job makes (arguments as :meth:`store`); raises ValueError if the
+        job is inconsistent with the tier."""
+        return self._builder.build(engine_blocks, group_sizes, block_indices, chunks, to_host)
+
     def finished(self) -> List[Finished]:
         """(job id, bytes, seconds) of the jobs completed since the last call."""
         return [done for copier in self._distinct_copiers() for done in copier.finished()]
@@ -66,8 +72,8 @@ class HostTierMover:
 
     def _submit(self, kind: str, job_id: int, engine_blocks, group_sizes, block_indices, chunks) -> None:
         try:
-            descs = self._builder.build(engine_blocks, group_sizes, block_indices, chunks,
-                                        to_host=kind == "store")
+            descs = self.descriptors(engine_blocks, group_sizes, block_indices, chunks,
+                                     to_host=kind == "store")
         except ValueError as e:
             raise OffloadJobError(f"KV offloading: {kind} job {job_id} refused, no byte moved: {e}") from e
         self._copy(kind, job_id, descs)
