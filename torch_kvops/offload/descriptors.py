@@ -73,27 +73,28 @@ class _GroupArrays:
         def column(values):
             return np.asarray(values, dtype=np.int64).reshape(-1, 1)
 
+        self.layers = len(refs)
         self.engine_base = column([g.engine_base for g in regions])
         self.engine_stride = column([g.engine_block_stride for g in regions])
         self.host_base = column([g.host_base for g in regions])
         self.host_stride = column([g.host_chunk_stride for g in regions])
         self.page = column([g.page_bytes for g in regions])
         self.copy_bytes = column([r.copy_bytes for r in refs])
+        self.bytes_per_block = sum(r.copy_bytes for r in refs)
         self.engine_blocks = min((g.num_engine_blocks for g in regions), default=0)
         self.host_chunks = min((g.num_host_chunks for g in regions), default=0)
 
 
 class DescriptorBuilder:
     """Builds the descriptors of store (engine -> host) and load (host -> engine) jobs
-    for one :class:`TierLayout`."""
+    for one :class:`TierLayout`. Descriptors come layer by layer, blocks in job order
+    within a layer, so a run of adjacent blocks on both sides is merged by the op."""
 
     def __init__(self, layout: TierLayout):
         if layout.blocks_per_chunk < 1:
             raise ValueError(f"blocks_per_chunk must be >= 1, got {layout.blocks_per_chunk}")
         self.layout = layout
         self._groups = [_GroupArrays(layout, refs) for refs in layout.groups]
-        bpc = layout.blocks_per_chunk
-        self._slots = np.arange(bpc, dtype=np.int64)
 
     def build(self, engine_blocks: Sequence[int], group_sizes: Sequence[int],
               block_indices: Sequence[int], chunks: Sequence[int], to_host: bool) -> CopyDescriptors:
@@ -103,8 +104,44 @@ class DescriptorBuilder:
         ordered by group too. Raises ValueError (nothing built) on any inconsistency."""
         engine_blocks = np.asarray(engine_blocks, dtype=np.int64).reshape(-1)
         chunks = np.asarray(chunks, dtype=np.int64).reshape(-1)
-        sizes = [int(n) for n in group_sizes]
-        starts = [int(i) for i in block_indices]
+        plan = self._plan(engine_blocks, [int(n) for n in group_sizes],
+                          [int(i) for i in block_indices], len(chunks))
+        total = sum(self._groups[g].layers * n for g, n, _, _, _ in plan)
+        engine_addr = np.empty(total, dtype=np.int64)
+        host_addr = np.empty(total, dtype=np.int64)
+        sizes = np.empty(total, dtype=np.int64)
+        bpc = self.layout.blocks_per_chunk
+        num_bytes = out = 0
+        for g, n, skip, e_off, c_off in plan:
+            arrays = self._groups[g]
+            blocks = engine_blocks[e_off:e_off + n]
+            rows = chunks[c_off:c_off + -(-(n + skip) // bpc)]
+            _check_range(blocks, arrays.engine_blocks, f"group {g}: engine block")
+            _check_range(rows, arrays.host_chunks, f"group {g}: host chunk")
+            end = out + arrays.layers * n
+            # (layers, n) views of this group's share of the outputs
+            e_view = engine_addr[out:end].reshape(arrays.layers, n)
+            h_view = host_addr[out:end].reshape(arrays.layers, n)
+            np.multiply(blocks, arrays.engine_stride, out=e_view)
+            e_view += arrays.engine_base
+            if bpc == 1:
+                np.multiply(rows, arrays.host_stride, out=h_view)
+            else:
+                # engine block k of the group goes to slot (skip + k) of the group's chunks
+                position = skip + np.arange(n, dtype=np.int64)
+                np.multiply(rows[position // bpc], arrays.host_stride, out=h_view)
+                h_view += (position % bpc) * arrays.page
+            h_view += arrays.host_base
+            sizes[out:end].reshape(arrays.layers, n)[:] = arrays.copy_bytes
+            num_bytes += arrays.bytes_per_block * n
+            out = end
+        engine_t, host_t = torch.from_numpy(engine_addr), torch.from_numpy(host_addr)
+        src, dst = (engine_t, host_t) if to_host else (host_t, engine_t)
+        return CopyDescriptors(src, dst, torch.from_numpy(sizes), num_bytes)
+
+    def _plan(self, engine_blocks: np.ndarray, sizes: list, starts: list, num_chunks: int):
+        """(group, blocks, skipped slots, first engine block, first chunk) of every
+        non-empty group, once the job's counts are known to add up."""
         if len(sizes) != len(self._groups) or len(starts) != len(self._groups):
             raise ValueError(f"job names {len(sizes)} group sizes and {len(starts)} block indices "
                              f"for {len(self._groups)} offloaded cache groups")
@@ -114,45 +151,25 @@ class DescriptorBuilder:
             raise ValueError(f"group sizes {sizes} add up to {sum(sizes)}, "
                              f"but the job names {len(engine_blocks)} engine blocks")
         bpc = self.layout.blocks_per_chunk
-        engine_parts, host_parts, size_parts = [], [], []
-        e_off = c_off = 0
+        plan, e_off, c_off = [], 0, 0
         for g, (n, start) in enumerate(zip(sizes, starts)):
             if n == 0:
                 continue
             skip = start % bpc
-            num_chunks = -(-(n + skip) // bpc)
-            blocks = engine_blocks[e_off:e_off + n]
-            rows = chunks[c_off:c_off + num_chunks]
-            if len(rows) != num_chunks:
+            spans = -(-(n + skip) // bpc)
+            if c_off + spans > num_chunks:
                 raise ValueError(f"group {g}: {n} blocks starting at logical block {start} span "
-                                 f"{num_chunks} chunks of {bpc}, but only {len(rows)} chunks are left")
-            arrays = self._groups[g]
-            _check_range(blocks, arrays.engine_blocks, f"group {g}: engine block")
-            _check_range(rows, arrays.host_chunks, f"group {g}: host chunk")
-            # Engine block k of the group goes to slot (skip + k) of the group's chunks.
-            position = skip + np.arange(n, dtype=np.int64)
-            row = rows[position // bpc]
-            slot = self._slots[position % bpc]
-            engine_addr = arrays.engine_base + blocks * arrays.engine_stride
-            host_addr = arrays.host_base + row * arrays.host_stride + slot * arrays.page
-            engine_parts.append(engine_addr.reshape(-1))
-            host_parts.append(host_addr.reshape(-1))
-            size_parts.append(np.broadcast_to(arrays.copy_bytes, engine_addr.shape).reshape(-1))
+                                 f"{spans} chunks of {bpc}, but only {num_chunks - c_off} chunks are left")
+            plan.append((g, n, skip, e_off, c_off))
             e_off += n
-            c_off += num_chunks
-        if c_off != len(chunks):
-            raise ValueError(f"the job names {len(chunks)} chunks but its blocks fill {c_off}")
-        if not size_parts:
-            empty = torch.empty(0, dtype=torch.int64)
-            return CopyDescriptors(empty, empty, empty, 0)
-        engine_all = torch.from_numpy(np.concatenate(engine_parts))
-        host_all = torch.from_numpy(np.concatenate(host_parts))
-        size_all = torch.from_numpy(np.concatenate(size_parts))
-        src, dst = (engine_all, host_all) if to_host else (host_all, engine_all)
-        return CopyDescriptors(src, dst, size_all, int(size_all.sum()))
+            c_off += spans
+        if c_off != num_chunks:
+            raise ValueError(f"the job names {num_chunks} chunks but its blocks fill {c_off}")
+        return plan
 
 
 def _check_range(ids: np.ndarray, limit: int, what: str) -> None:
-    if len(ids) and (ids.min() < 0 or ids.max() >= limit):
+    # one comparison: negative ids become huge when read as unsigned
+    if (ids.view(np.uint64) >= limit).any():
         bad = ids[(ids < 0) | (ids >= limit)][0]
         raise ValueError(f"{what} {int(bad)} out of range [0, {limit})")
