@@ -16,6 +16,8 @@ interleaved in rounds, each timed from submission until the copy is complete:
 
 Every figure is a median with its interquartile range; ratios are against the limit and
 the DMA path measured in the same run. Both jobs are checked byte for byte afterwards.
+The CPU part has run (docs/benchmarks.md); the CUDA part is written, **not run yet**
+(no GPU in the session that wrote it).
 """
 from __future__ import annotations
 
