@@ -47,7 +47,7 @@ class Setup:
         self.worker = KvopsOffloadingWorker(self.tier)
 
     def expected_pairs(self, group_blocks, group_starts, group_chunks):
-        """Naive reference: (group, tensor, engine block, chunk, slot, bytes) for every page
+        """Naive reference: (tensor, engine block, chunk, slot, bytes) for every page
         a job copies; engine block k of a group goes to slot (start % bpc + k) of the
         group's chunks, counted from the first chunk."""
         out = []
