@@ -63,12 +63,13 @@ where = os.path.realpath(torch_kvops.__file__)
 assert any(where.startswith(s + os.sep) for s in site), f"torch_kvops imported from {where}, not site-packages"
 # Packages that need an optional extra (not installed here): shipped, and failing to
 # import only for want of that extra.
+# (Subpackages included: find_spec would import their parent, so look for the file.)
 NEEDS_EXTRA = {"torch_kvops.integrations.vllm": "vllm"}
 for name in sys.argv[1:]:
-    extra = NEEDS_EXTRA.get(name)
+    extra = next((e for pkg, e in NEEDS_EXTRA.items() if name == pkg or name.startswith(pkg + ".")), None)
     if extra is not None and importlib.util.find_spec(extra) is None:
-        spec = importlib.util.find_spec(name)
-        assert spec is not None and os.path.realpath(spec.origin).startswith(os.path.dirname(where)), name
+        init = os.path.join(os.path.dirname(where), *name.split(".")[1:], "__init__.py")
+        assert os.path.exists(init), name
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as exc:

@@ -1,8 +1,8 @@
-"""``python -m torch_kvops.bench [--quick] [--only ops,cuda,transfer,integrity,overlap] [--redraw RESULTS_JSON]``
+"""``python -m torch_kvops.bench [--quick] [--only ops,cuda,offload,transfer,integrity,overlap] [--redraw RESULTS_JSON]``
 
 Runs the op benchmarks (CPU; CUDA copies against C++ baselines where a GPU exists),
-the transfer benchmarks, the cost of the integrity check and the layer-wise overlap
-benchmark. Every figure is a ratio against a baseline measured in the same run, plus
+the KV offloading jobs (CPU; CUDA where a GPU exists), the transfer benchmarks, the
+cost of the integrity check and the layer-wise overlap benchmark. Every figure is a ratio against a baseline measured in the same run, plus
 absolute numbers labelled with the machine. Writes ``bench-results.json``, then a
 timeline PNG of one prefill step (needs matplotlib: ``pip install 'torch_kvops[plot]'``;
 without it the PNG is skipped with a note, and the run still succeeds).
@@ -18,6 +18,7 @@ from typing import Optional
 
 from . import cuda_copy as cuda_bench
 from . import integrity as integrity_bench
+from . import offload as offload_bench
 from . import ops as ops_bench
 from . import overlap as overlap_bench
 from . import transfer as transfer_bench
@@ -27,7 +28,7 @@ from .common import machine
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="torch_kvops benchmarks")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (under a minute or two)")
-    p.add_argument("--only", default="ops,cuda,transfer,integrity,overlap")
+    p.add_argument("--only", default="ops,cuda,offload,transfer,integrity,overlap")
     p.add_argument("--out", default="bench-results.json")
     p.add_argument("--timeline", default="timeline.png")
     p.add_argument("--redraw", metavar="RESULTS_JSON",
@@ -43,10 +44,10 @@ def main(argv=None) -> int:
             print(f"timeline: {drawn}")
         return 0
     wanted = set(args.only.split(","))
-    unknown = wanted - {"ops", "cuda", "transfer", "integrity", "overlap"}
+    unknown = wanted - {"ops", "cuda", "offload", "transfer", "integrity", "overlap"}
     if unknown:
-        p.error(f"--only: unknown benchmark(s) {sorted(unknown)}; choose from ops, cuda, transfer, "
-                "integrity, overlap")
+        p.error(f"--only: unknown benchmark(s) {sorted(unknown)}; choose from ops, cuda, offload, "
+                "transfer, integrity, overlap")
     results = {"machine": machine(), "quick": args.quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     print(f"machine: {results['machine']}")
     if "ops" in wanted:
@@ -62,6 +63,11 @@ def main(argv=None) -> int:
             cuda_bench.print_table(results["cuda"])
         else:
             print("\n== CUDA copies: skipped, torch.cuda.is_available() is False")
+    if "offload" in wanted:
+        print("\n== KV offloading jobs (KvopsOffloadingSpec's worker) vs one contiguous copy "
+              "(and batched DMA on CUDA); medians, IQR")
+        results["offload"] = offload_bench.run(args.quick)
+        offload_bench.print_table(results["offload"])
     if "transfer" in wanted:
         print("\n== layer-wise push over Mooncake TCP: contiguous vs fragmented blocks")
         results["transfer"] = transfer_bench.run(args.quick)

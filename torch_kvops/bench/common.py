@@ -5,7 +5,7 @@ import os
 import platform
 import statistics
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -25,15 +25,15 @@ def machine() -> Dict[str, object]:
     return info
 
 
-def interleaved_medians(cases: Dict[str, Callable[[], None]], repeats: int,
-                        warmup: int = 1, sync: Callable[[], None] = lambda: None) -> Dict[str, float]:
+def interleaved_samples(cases: Dict[str, Callable[[], None]], repeats: int,
+                        warmup: int = 1, sync: Callable[[], None] = lambda: None) -> Dict[str, List[float]]:
     """Run every case once per round, ``repeats`` rounds, and return each case's
-    median seconds. Interleaving spreads machine noise over all cases alike."""
+    seconds per round. Interleaving spreads machine noise over all cases alike."""
     for _ in range(warmup):
         for fn in cases.values():
             fn()
         sync()
-    samples: Dict[str, list] = {name: [] for name in cases}
+    samples: Dict[str, List[float]] = {name: [] for name in cases}
     for _ in range(repeats):
         for name, fn in cases.items():
             sync()
@@ -41,7 +41,22 @@ def interleaved_medians(cases: Dict[str, Callable[[], None]], repeats: int,
             fn()
             sync()
             samples[name].append(time.perf_counter() - t0)
+    return samples
+
+
+def interleaved_medians(cases: Dict[str, Callable[[], None]], repeats: int,
+                        warmup: int = 1, sync: Callable[[], None] = lambda: None) -> Dict[str, float]:
+    """:func:`interleaved_samples`, reduced to each case's median seconds."""
+    samples = interleaved_samples(cases, repeats, warmup, sync)
     return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def median_iqr(samples: List[float]) -> Tuple[float, float, float]:
+    """(median, first quartile, third quartile) of at least one sample."""
+    if len(samples) < 2:
+        return samples[0], samples[0], samples[0]
+    q1, _, q3 = statistics.quantiles(samples, n=4)
+    return statistics.median(samples), q1, q3
 
 
 def gbps(nbytes: int, seconds: float) -> float:
