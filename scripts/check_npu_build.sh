@@ -54,9 +54,11 @@ require_tools g++ gcc unzip nm readelf strings sha256sum
 python_build_info
 
 # ---- torch (from the venv) --------------------------------------------------------------
-TORCH_INFO=$("$PY" -c 'import os, torch; print(torch.__version__); print(os.path.dirname(torch.__file__))') ||
-  die "cannot import torch with $PY"
-{ read -r TORCH_FULL; read -r TORCH_ROOT; } <<<"$TORCH_INFO"
+# Located, not imported: importing torch costs seconds, and a cached check takes ~2 s.
+TORCH_ROOT=$("$PY" -c 'import importlib.util as u; print(u.find_spec("torch").submodule_search_locations[0])') ||
+  die "no torch in $PY's environment"
+TORCH_FULL=$(sed -n "s/^__version__ = '\(.*\)'/\1/p" "$TORCH_ROOT/version.py")
+[ -n "$TORCH_FULL" ] || die "cannot read torch's version from $TORCH_ROOT/version.py"
 TI=$TORCH_ROOT/include
 TL=$TORCH_ROOT/lib
 
