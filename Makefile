@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SOURCES := $(shell find csrc -type f) setup.py
 
-.PHONY: setup setup-vllm vllm-demo build test test-gpu demo bench cuda-check wheel-check clean
+.PHONY: setup setup-vllm vllm-demo build test test-gpu demo bench cuda-check npu-check wheel-check clean
 
 setup: $(VENV)/.ready
 
@@ -43,6 +43,11 @@ vllm-demo: build setup-vllm
 # Compiles and links the CUDA backend against the CUDA build of torch on a CPU-only machine.
 cuda-check: setup
 	VENV=$(VENV) bash scripts/check_cuda_build.sh
+
+# Compiles and links the Ascend NPU backend against the real torch_npu wheel (no CANN, no
+# NPU): -Werror, --no-undefined, ACL symbols linked only where torch_npu links them too.
+npu-check: setup
+	VENV=$(VENV) bash scripts/check_npu_build.sh
 
 # Builds the wheel, installs it into a clean venv and uses the installed package (~2 min).
 wheel-check: setup

@@ -62,16 +62,15 @@ def make_extension():
 
         ascend = os.environ.get("ASCEND_TOOLKIT_HOME") or os.environ["ASCEND_HOME_PATH"]
         npu_root = os.path.dirname(torch_npu.__file__)
+        npu_include = os.path.join(npu_root, "include")
         srcs += sources("npu/*.cpp")
-        # aclrtMemcpyBatchAsync exists from CANN 8.5; KVOPS_NPU_BATCH_MEMCPY=0/1 overrides.
-        batch = os.environ.get("KVOPS_NPU_BATCH_MEMCPY")
-        if batch is None:
-            header = os.path.join(ascend, "include", "acl", "acl_rt.h")
-            batch = "1" if os.path.exists(header) and "aclrtMemcpyBatchAsync" in open(header).read() else "0"
-        macros.append(("KVOPS_NPU_BATCH_MEMCPY", batch))
+        # torch_npu's include/ only, as its own NpuExtension does: its bundled ACL headers
+        # are the ones torch_npu was built with. ACL entry points that libtorch_npu.so does
+        # not import directly are resolved at run time (csrc/npu/acl_binding.h); the toolkit
+        # only provides libascendcl.so. scripts/check_npu_build.sh compiles the same way.
         return CppExtension(
             "torch_kvops._C", srcs, define_macros=macros,
-            include_dirs=[os.path.join(ascend, "include"), os.path.join(npu_root, "include")],
+            include_dirs=[npu_include, os.path.join(npu_include, "third_party", "hccl", "inc")],
             library_dirs=[os.path.join(ascend, "lib64"), os.path.join(npu_root, "lib")],
             libraries=["ascendcl", "torch_npu", "dl"], extra_compile_args={"cxx": cxx},
             extra_link_args=omp_link)

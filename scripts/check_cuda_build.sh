@@ -23,37 +23,12 @@ set -euo pipefail
 START=$SECONDS
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
+CHECK_NAME=check_cuda_build
+# shellcheck source=build_check_lib.sh
+source "$ROOT/scripts/build_check_lib.sh"
 
-log() { echo "check_cuda_build: $*"; }
-die() { echo "check_cuda_build: FAILED: $*" >&2; exit 1; }
-trap 'echo "check_cuda_build: FAILED: command at line $LINENO exited with status $?: $BASH_COMMAND" >&2' ERR
-
-for tool in g++ unzip nm readelf; do
-  command -v "$tool" >/dev/null || die "'$tool' is not installed"
-done
-
-# ---- Python (headers, libpython, extension suffix) ------------------------------------
-VENV=${VENV:-$ROOT/.venv}
-if [ -x "$VENV/bin/python" ]; then
-  PY=$VENV/bin/python
-else
-  PY=$(command -v python3) || die "no Python: no $VENV/bin/python and no python3 on PATH"
-fi
-PY_INFO=$("$PY" - <<'EOF'
-import sysconfig as s
-inc = {s.get_paths()["include"], s.get_paths()["platinclude"]}
-print(":".join(sorted(inc)))
-print(s.get_config_var("LIBDIR") or "")
-print("python" + (s.get_config_var("LDVERSION") or s.get_python_version()))
-print(s.get_config_var("EXT_SUFFIX") or ".so")
-print(s.get_config_var("Py_ENABLE_SHARED") or 0)
-import sys
-print("cp%d%d" % sys.version_info[:2])
-EOF
-) || die "cannot query $PY's sysconfig"
-{ read -r PY_INCLUDE_DIRS; read -r PY_LIBDIR; read -r PY_LIB; read -r EXT_SUFFIX; read -r PY_SHARED; read -r PY_TAG; } <<<"$PY_INFO"
-[ "$PY_SHARED" = 1 ] && [ -e "$PY_LIBDIR/lib$PY_LIB.so" ] ||
-  die "$PY has no shared lib$PY_LIB.so in '$PY_LIBDIR': needed to link with --no-undefined"
+require_tools g++ unzip nm readelf
+python_build_info
 
 # ---- CUDA toolkit -------------------------------------------------------------------
 # The first of $CUDA_HOME, $CUDA_PATH, nvcc's prefix on PATH, /usr/local/cuda that holds
@@ -81,20 +56,14 @@ NVCC_VERSION=$("$NVCC" --version | sed -n 's/.*release \([0-9][0-9]*\.[0-9][0-9]
 # ---- CUDA torch wheel -----------------------------------------------------------------
 CACHE=$ROOT/.cuda-check
 TORCH_VERSION=${KVOPS_TORCH_VERSION:-2.13.0}
-mkdir -p "$CACHE/wheels"
 if [ -n "${KVOPS_TORCH_CUDA_WHEEL:-}" ]; then
   WHEEL=$KVOPS_TORCH_CUDA_WHEEL
   [ -f "$WHEEL" ] || die "KVOPS_TORCH_CUDA_WHEEL=$WHEEL is not a file"
 else
   # Only a wheel for this Python: libtorch_python must match the libpython we link.
-  WHEEL=$(ls -1 "$CACHE/wheels/torch-$TORCH_VERSION-$PY_TAG-"*.whl 2>/dev/null | head -n 1 || true)
-  if [ -z "$WHEEL" ]; then
-    log "downloading torch==$TORCH_VERSION (CUDA wheel, ~530 MB) into $CACHE/wheels"
-    "$PY" -m pip download --isolated --no-deps --quiet "torch==$TORCH_VERSION" -d "$CACHE/wheels" ||
-      die "pip download torch==$TORCH_VERSION failed; set KVOPS_TORCH_CUDA_WHEEL to a local CUDA torch wheel"
-    WHEEL=$(ls -1 "$CACHE/wheels/torch-$TORCH_VERSION-$PY_TAG-"*.whl 2>/dev/null | head -n 1 || true)
-    [ -n "$WHEEL" ] || die "pip download left no torch-$TORCH_VERSION-$PY_TAG wheel in $CACHE/wheels"
-  fi
+  find_or_download_wheel "$CACHE/wheels" "torch-$TORCH_VERSION-$PY_TAG-*.whl" \
+      "torch==$TORCH_VERSION (CUDA wheel, ~530 MB)" "torch==$TORCH_VERSION" ||
+    die "pip download torch==$TORCH_VERSION failed; set KVOPS_TORCH_CUDA_WHEEL to a local CUDA torch wheel"
 fi
 WHEEL_VERSION_PY=$(unzip -p "$WHEEL" torch/version.py) || die "$WHEEL is not a torch wheel"
 TORCH_FULL=$(sed -n "s/^__version__ = '\(.*\)'/\1/p" <<<"$WHEEL_VERSION_PY")
@@ -104,26 +73,15 @@ TORCH_CUDA=$(sed -n "s/^cuda: Optional\[str\] = '\(.*\)'/\1/p" <<<"$WHEEL_VERSIO
 [ "${TORCH_CUDA%%.*}" = "${NVCC_VERSION%%.*}" ] ||
   die "torch $TORCH_FULL was built with CUDA $TORCH_CUDA but nvcc is CUDA $NVCC_VERSION (major versions must match)"
 
-TORCH_DIR=$CACHE/$(basename "$WHEEL" .whl)-$(stat -c %s "$WHEEL")
-if [ ! -e "$TORCH_DIR/.complete" ]; then
-  log "unpacking torch/include and torch/lib of $(basename "$WHEEL")"
-  rm -rf "$TORCH_DIR" "$TORCH_DIR.tmp"
-  unzip -q -o "$WHEEL" 'torch/include/*' 'torch/lib/*' -d "$TORCH_DIR.tmp" ||
-    die "cannot unpack $WHEEL"
-  mv "$TORCH_DIR.tmp" "$TORCH_DIR"
-  touch "$TORCH_DIR/.complete"
-fi
+unpack_wheel "$WHEEL" "$CACHE" 'torch/include/*' 'torch/lib/*'
+TORCH_DIR=$UNPACKED
 TI=$TORCH_DIR/torch/include
 TL=$TORCH_DIR/torch/lib
 for lib in libc10.so libc10_cuda.so libtorch.so libtorch_cpu.so libtorch_cuda.so libtorch_python.so; do
   [ -e "$TL/$lib" ] || die "$lib is missing from $WHEEL"
 done
 
-# The wheel's libstdc++ ABI: functions returning std::string carry the [abi:cxx11] tag
-# (mangled "B5cxx11") only when torch was built with _GLIBCXX_USE_CXX11_ABI=1.
-# (grep -c, not grep -q: an early exit would SIGPIPE nm and fail the pipeline.)
-ABI_TAGGED=$(nm -D --defined-only "$TL/libc10.so" | grep -c 'B5cxx11' || true)
-if [ "${ABI_TAGGED:-0}" -gt 0 ]; then CXX11_ABI=1; else CXX11_ABI=0; fi
+CXX11_ABI=$(cxx11_abi_of "$TL/libc10.so")  # the wheel's libstdc++ ABI
 
 # ---- Compile ----------------------------------------------------------------------------
 CXX_STD=${KVOPS_CXX_STD:-c++20}
@@ -136,7 +94,6 @@ DEFS=(-DKVOPS_WITH_CUDA=1 -DKVOPS_WITH_NPU=0 -DTORCH_EXTENSION_NAME=_C
       -DTORCH_API_INCLUDE_EXTENSION_H "-D_GLIBCXX_USE_CXX11_ABI=$CXX11_ABI")
 # -isystem: warnings are reported for csrc/ only, not for torch's headers.
 INCS=(-isystem "$TI" -isystem "$TI/torch/csrc/api/include" -isystem "$CUDA_HOME/include")
-IFS=: read -r -a PY_INCLUDE_LIST <<<"$PY_INCLUDE_DIRS"
 for dir in "${PY_INCLUDE_LIST[@]}"; do INCS+=(-isystem "$dir"); done
 WARN=(-Wall -Wextra -Wno-unused-parameter)
 [ "${KVOPS_CHECK_WERROR:-0}" = 1 ] && WARN+=(-Werror)
@@ -154,84 +111,31 @@ mapfile -t CU_SOURCES < <(ls -1 csrc/cuda/*.cu 2>/dev/null || true)
 mapfile -t CXX_SOURCES < <(ls -1 csrc/torch_bindings.cpp csrc/core/*.cpp csrc/cpu/*.cpp)
 [ "${#CU_SOURCES[@]}" -gt 0 ] || die "no csrc/cuda/*.cu to check"
 
-OBJECTS=()
-declare -A LOG_OF=() SRC_OF=()
-RUNNING=()
-FAILED=()
-reap_oldest() {
-  local pid=${RUNNING[0]}
-  RUNNING=("${RUNNING[@]:1}")
-  if ! wait "$pid"; then FAILED+=("${SRC_OF[$pid]}"); fi
-}
-start_job() {  # start_job SRC COMMAND...
-  local src=$1
-  shift
-  while [ "${#RUNNING[@]}" -ge "$JOBS" ]; do reap_oldest; done
-  local logf=$BUILD/$(echo "$src" | tr '/' '_').log
-  "$@" >"$logf" 2>&1 &
-  RUNNING+=("$!")
-  LOG_OF[$!]=$logf
-  SRC_OF[$!]=$src
-}
-
 log "torch $TORCH_FULL (CUDA $TORCH_CUDA), nvcc $NVCC_VERSION, -std=$CXX_STD, _GLIBCXX_USE_CXX11_ABI=$CXX11_ABI, $JOBS jobs"
 # The .cu files first: they take longest.
 for src in "${CU_SOURCES[@]}"; do
-  obj=$BUILD/$(echo "$src" | tr '/' '_').o
-  OBJECTS+=("$obj")
-  start_job "$src" "$NVCC" "${NVCCFLAGS[@]}" -c "$src" -o "$obj"
+  compile_job "$src" "$NVCC" "${NVCCFLAGS[@]}"
 done
 for src in "${CXX_SOURCES[@]}"; do
-  obj=$BUILD/$(echo "$src" | tr '/' '_').o
-  OBJECTS+=("$obj")
-  start_job "$src" g++ "${CXXFLAGS[@]}" -c "$src" -o "$obj"
+  compile_job "$src" g++ "${CXXFLAGS[@]}"
 done
-while [ "${#RUNNING[@]}" -gt 0 ]; do reap_oldest; done
-
-WARNINGS=0
-for logf in "$BUILD"/*.log; do
-  if grep -q 'warning' "$logf"; then
-    WARNINGS=$((WARNINGS + $(grep -c 'warning' "$logf")))
-    echo "---- warnings in $(basename "$logf" .log):" >&2
-    grep -B2 -A4 'warning' "$logf" >&2 || true
-  fi
-done
-if [ "${#FAILED[@]}" -gt 0 ]; then
-  for pid in "${!SRC_OF[@]}"; do
-    for bad in "${FAILED[@]}"; do
-      if [ "${SRC_OF[$pid]}" = "$bad" ]; then
-        echo "---- $bad failed to compile:" >&2
-        cat "${LOG_OF[$pid]}" >&2
-      fi
-    done
-  done
-  die "compilation failed: ${FAILED[*]}"
-fi
+compile_wait
 
 # ---- Link --------------------------------------------------------------------------
 SO=$BUILD/_C$EXT_SUFFIX
 # --no-undefined: every symbol our objects use must come from the listed libraries.
 # --allow-shlib-undefined: the wheel's own dependencies (cuBLAS, cuDNN, NCCL, ... from
 # nvidia-* wheels) are not installed here; their symbols are not ours to check.
-LINK_LOG=$BUILD/link.log
-if ! g++ -shared -fopenmp -o "$SO" "${OBJECTS[@]}" \
+link_so "$SO" g++ -shared -fopenmp -o "$SO" "${OBJECTS[@]}" \
     -L"$TL" -L"$CUDA_LIBDIR" -L"$PY_LIBDIR" \
     -Wl,--no-undefined -Wl,--allow-shlib-undefined \
     -Wl,-rpath-link,"$TL" -Wl,-rpath-link,"$CUDA_LIBDIR" \
-    -ltorch_cuda -lc10_cuda -ltorch_cpu -ltorch -lc10 -ltorch_python -lcudart -l"$PY_LIB" \
-    >"$LINK_LOG" 2>&1; then
-  grep -v 'needed by .*, not found (try using -rpath or -rpath-link)' "$LINK_LOG" >&2 || true
-  die "linking $SO failed (undefined symbols above)"
-fi
-if grep -v 'needed by .*, not found (try using -rpath or -rpath-link)' "$LINK_LOG" | grep -q .; then
-  echo "---- linker messages:" >&2
-  grep -v 'needed by .*, not found (try using -rpath or -rpath-link)' "$LINK_LOG" >&2
-fi
+    -ltorch_cuda -lc10_cuda -ltorch_cpu -ltorch -lc10 -ltorch_python -lcudart -l"$PY_LIB"
 
 # ---- Inspect the shared object -----------------------------------------------------------
-UNDEFINED=$(nm -D --undefined-only "$SO" | awk '{print $NF}' | sed 's/@.*//')
-DEFINED=$(nm -D --defined-only "$SO" | awk '{print $NF}' | sed 's/@.*//')
-NEEDED=$(readelf -d "$SO" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p')
+UNDEFINED=$(undefined_symbols "$SO")
+DEFINED=$(defined_symbols "$SO")
+NEEDED=$(needed_libs "$SO")
 REQUIRED_SYMBOLS=(cudaGetDriverEntryPointByVersion cudaLaunchHostFunc cudaEventRecordWithFlags
                   cudaMemcpyAsync cudaStreamIsCapturing cudaThreadExchangeStreamCaptureMode
                   cudaEventQuery cudaPointerGetAttributes cudaHostAlloc cudaEventSynchronize

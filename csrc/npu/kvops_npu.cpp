@@ -1,9 +1,9 @@
 // Ascend NPU backend (torch_npu, DeviceType::PrivateUse1): batched block copies on the
 // current NPU stream, per-layer ACL events, and the LayerEvents device-events factory.
 //
-// STATUS: written against the public CANN runtime (ACL) headers and torch_npu's C++
-// headers; NOT compiled against a real CANN toolkit and NOT run on Ascend hardware.
-// See docs/npu.md for the API versions it follows and what to check first.
+// STATUS: compiled and linked in CI against torch_npu 2.13.0's headers, its bundled ACL
+// headers and its libtorch_npu.so (scripts/check_npu_build.sh); NOT run: no CANN runtime
+// and no Ascend hardware there. See docs/npu.md for what to check first on hardware.
 //
 // Ground rules followed below:
 // * Copies and event records are issued on the stream returned by `NPUStream::stream()`,
@@ -11,27 +11,22 @@
 //   may still sit in that host queue, and an aclrtRecordEvent / aclrtMemcpyAsync issued
 //   straight to the stream would otherwise overtake them.
 // * Every ACL return code is checked and reported with the call's name and the code.
-// * ACL entry points that older CANN releases lack (aclmdlRICaptureGetInfo,
-//   aclrtCreateEventExWithFlag, aclrtPointerGetAttributes, ...) are resolved at run time
-//   from libascendcl.so so the extension still loads there. aclrtMemcpyBatchAsync is the
-//   one exception: setup.py defines KVOPS_NPU_BATCH_MEMCPY=1 only when the CANN header
-//   declares it (or when forced), so it is called directly.
-//
-// CANN headers come first: torch_npu's headers include their own bundled copy of the ACL
-// headers under the same include guards, and that copy may be older than the toolkit's.
-#include <acl/acl.h>
-#include <acl/acl_rt.h>
+// * Only ACL entry points that libtorch_npu.so imports directly are linked; the others
+//   are resolved at run time and have a fallback (acl_binding.h).
+// * ACL types and constants come from the ACL headers bundled with torch_npu (setup.py
+//   puts torch_npu's include/ first, as torch_npu's own NpuExtension does): the headers
+//   torch_npu itself was built with. Nothing of them is mirrored here.
+#include "acl_binding.h"
 
 #include <torch/library.h>
 
 #include "torch_npu/csrc/core/npu/NPUGuard.h"
 #include "torch_npu/csrc/core/npu/NPUStream.h"
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -40,10 +35,6 @@
 #include "../core/block_plan.h"
 #include "../core/layer_events.h"
 
-#ifndef KVOPS_NPU_BATCH_MEMCPY
-#define KVOPS_NPU_BATCH_MEMCPY 0
-#endif
-
 namespace kvops {
 namespace {
 
@@ -51,35 +42,9 @@ namespace {
 // ACL helpers
 // ---------------------------------------------------------------------------------------
 
-// ACL_ERROR_RT_FEATURE_NOT_SUPPORT (acl/error_codes/rt_error_codes.h).
-constexpr aclError kAclFeatureNotSupported = 207000;
-// ACL_EVENT_SYNC (acl_rt.h): the flag torch_npu's NPUEvent uses with
-// aclrtCreateEventExWithFlag.
-constexpr uint32_t kAclEventSync = 0x00000001U;
-// aclmdlRICaptureStatus / aclmdlRICaptureMode values (acl_rt.h of releases with ACL graph
-// capture); spelled out because older headers do not declare the enums.
-constexpr int kCaptureStatusNone = 0;
-constexpr int kCaptureModeRelaxed = 2;
-// aclrtMemLocationType values (acl_rt.h): DEVICE = 1, MANAGED = 3.
-constexpr int kMemLocationDevice = 1;
-constexpr int kMemLocationManaged = 3;
-
-// Looks up an optional ACL entry point. libascendcl.so is already loaded (this extension
-// and torch_npu link it); a handle from dlopen is used rather than RTLD_DEFAULT because
-// Python loads extension modules with RTLD_LOCAL.
-void* acl_symbol(const char* name) {
-  static void* lib = [] {
-    void* h = dlopen("libascendcl.so", RTLD_NOW | RTLD_NOLOAD);
-    if (h == nullptr) h = dlopen("libascendcl.so", RTLD_NOW);
-    return h;
-  }();
-  return lib == nullptr ? nullptr : dlsym(lib, name);
-}
-
-// aclGetRecentErrMsg() (acl_base.h) as a suffix for error messages; empty if unavailable.
+// aclGetRecentErrMsg() as a suffix for error messages; empty if unavailable.
 std::string recent_acl_error() {
-  using Fn = const char* (*)();
-  static Fn fn = reinterpret_cast<Fn>(acl_symbol("aclGetRecentErrMsg"));
+  static const auto fn = KVOPS_ACL_OPTIONAL(aclGetRecentErrMsg);
   if (fn == nullptr) return "";
   const char* msg = fn();
   return (msg == nullptr || *msg == '\0') ? "" : std::string("; ACL reports: ") + msg;
@@ -105,44 +70,44 @@ aclrtStream current_stream_flushed(c10::DeviceIndex index) {
 }
 
 // True while `stream` is being captured into an ACL graph (aclmdlRICaptureBegin, which
-// torch.npu.NPUGraph uses). CANN releases without aclmdlRICaptureGetInfo cannot capture.
+// torch.npu.NPUGraph uses). A CANN without aclmdlRICaptureGetInfo cannot capture.
 bool stream_is_capturing(aclrtStream stream) {
-  using Fn = aclError (*)(aclrtStream, int* /*aclmdlRICaptureStatus*/, void** /*aclmdlRI*/);
-  static Fn fn = reinterpret_cast<Fn>(acl_symbol("aclmdlRICaptureGetInfo"));
-  if (fn == nullptr) return false;
-  int status = kCaptureStatusNone;
-  void* model = nullptr;
-  const aclError err = fn(stream, &status, &model);
+  static const auto get_info = KVOPS_ACL_OPTIONAL(aclmdlRICaptureGetInfo);
+  if (get_info == nullptr) return false;
+  aclmdlRICaptureStatus status = ACL_MODEL_RI_CAPTURE_STATUS_NONE;
+  aclmdlRI model = nullptr;
+  const aclError err = get_info(stream, &status, &model);
   // SoCs without capture support (torch_npu skips the query there) may answer "feature
   // not supported": such a stream cannot be capturing.
-  if (err == kAclFeatureNotSupported) return false;
+  if (err == ACL_ERROR_RT_FEATURE_NOT_SUPPORT) return false;
   KVOPS_ACL_CHECK(err, "aclmdlRICaptureGetInfo", " (stream ", stream, ")");
-  return status != kCaptureStatusNone;  // ACTIVE or INVALIDATED
+  return status != ACL_MODEL_RI_CAPTURE_STATUS_NONE;  // ACTIVE or INVALIDATED
 }
 
 // Switches this thread's capture mode to RELAXED for the scope (aclmdlRICaptureThread-
 // ExchangeMode), so that a sender thread polling events cannot invalidate a capture that
 // another thread runs in GLOBAL mode (the CUDA rule; assumed to hold for ACL graphs too).
+// Without the entry point there is no capture to protect: nothing to do.
 class RelaxedCaptureModeScope {
  public:
   RelaxedCaptureModeScope() {
-    if (fn() == nullptr) return;
-    mode_ = kCaptureModeRelaxed;
-    active_ = fn()(&mode_) == ACL_SUCCESS;  // on failure nothing changed: nothing to undo
+    if (exchange() == nullptr) return;
+    mode_ = ACL_MODEL_RI_CAPTURE_MODE_RELAXED;
+    active_ = exchange()(&mode_) == ACL_SUCCESS;  // on failure nothing changed: nothing to undo
   }
   ~RelaxedCaptureModeScope() {
-    if (active_) (void)fn()(&mode_);  // restores the previous mode; cannot throw here
+    if (active_) (void)exchange()(&mode_);  // restores the previous mode; cannot throw here
   }
   RelaxedCaptureModeScope(const RelaxedCaptureModeScope&) = delete;
   RelaxedCaptureModeScope& operator=(const RelaxedCaptureModeScope&) = delete;
 
  private:
-  using Fn = aclError (*)(int* /*aclmdlRICaptureMode*/);
-  static Fn fn() {
-    static Fn f = reinterpret_cast<Fn>(acl_symbol("aclmdlRICaptureThreadExchangeMode"));
-    return f;
+  using ExchangeFn = decltype(&::aclmdlRICaptureThreadExchangeMode);
+  static ExchangeFn exchange() {
+    static const ExchangeFn fn = KVOPS_ACL_OPTIONAL(aclmdlRICaptureThreadExchangeMode);
+    return fn;
   }
-  int mode_ = 0;
+  aclmdlRICaptureMode mode_ = ACL_MODEL_RI_CAPTURE_MODE_GLOBAL;
   bool active_ = false;
 };
 
@@ -195,7 +160,21 @@ void copy_one_by_one(const std::vector<CopyDesc>& descs, size_t begin, Direction
   }
 }
 
-#if KVOPS_NPU_BATCH_MEMCPY
+using MemcpyBatchAsyncFn = decltype(&::aclrtMemcpyBatchAsync);
+
+// aclrtMemcpyBatchAsync (CANN >= 8.5, resolved at run time: libtorch_npu.so resolves it
+// too), or nullptr when this CANN lacks it or KVOPS_NPU_BATCH_MEMCPY=0 turns it off (to
+// compare with the per-copy path on hardware). Without it every copy is one
+// aclrtMemcpyAsync.
+MemcpyBatchAsyncFn memcpy_batch_async() {
+  static const MemcpyBatchAsyncFn fn = []() -> MemcpyBatchAsyncFn {
+    const char* env = std::getenv("KVOPS_NPU_BATCH_MEMCPY");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return nullptr;
+    return KVOPS_ACL_OPTIONAL(aclrtMemcpyBatchAsync);
+  }();
+  return fn;
+}
+
 // Cleared for the process when the runtime says the batch API is unsupported (the CANN
 // docs list it for Atlas A2/A3 and Ascend 950 only).
 std::atomic<bool> g_batch_usable{true};
@@ -205,9 +184,9 @@ std::atomic<bool> g_batch_usable{true};
 // numAttrs, failIndex, stream). Returns false when the call fails; the caller then copies
 // the same range one by one (repeating a copy that may have gone through is harmless:
 // planned copies never overlap).
-bool copy_batch_slice(const std::vector<CopyDesc>& descs, size_t begin, size_t n,
-                      Direction dir, c10::DeviceIndex device, aclrtStream stream,
-                      std::vector<void*>& dsts, std::vector<void*>& srcs,
+bool copy_batch_slice(MemcpyBatchAsyncFn batch, const std::vector<CopyDesc>& descs,
+                      size_t begin, size_t n, Direction dir, c10::DeviceIndex device,
+                      aclrtStream stream, std::vector<void*>& dsts, std::vector<void*>& srcs,
                       std::vector<size_t>& sizes) {
   dsts.resize(n);
   srcs.resize(n);
@@ -233,11 +212,10 @@ bool copy_batch_slice(const std::vector<CopyDesc>& descs, size_t begin, size_t n
   size_t attr_index = 0;
   size_t fail_index = SIZE_MAX;
   // destMaxs: each destination range is exactly `bytes` long, so sizes serves for both.
-  const aclError err = aclrtMemcpyBatchAsync(dsts.data(), sizes.data(), srcs.data(),
-                                             sizes.data(), n, &attr, &attr_index, 1,
-                                             &fail_index, stream);
+  const aclError err = batch(dsts.data(), sizes.data(), srcs.data(), sizes.data(), n, &attr,
+                             &attr_index, 1, &fail_index, stream);
   if (err == ACL_SUCCESS) return true;
-  if (err == kAclFeatureNotSupported) {
+  if (err == ACL_ERROR_RT_FEATURE_NOT_SUPPORT) {
     g_batch_usable.store(false);
     TORCH_WARN_ONCE("kvops NPU: aclrtMemcpyBatchAsync is not supported here (aclError ", err,
                     recent_acl_error(), "); using one aclrtMemcpyAsync per copy from now on");
@@ -249,29 +227,25 @@ bool copy_batch_slice(const std::vector<CopyDesc>& descs, size_t begin, size_t n
   }
   return false;
 }
-#endif
 
-// Queues every descriptor on `stream`. Batched when the build has the batch API, the
+// Queues every descriptor on `stream`. Batched when the runtime has the batch API, the
 // direction is host<->device (vllm-ascend also keeps device-to-device on the per-copy
 // path) and the stream is not being captured (the batch call's behaviour under ACL graph
 // capture is undocumented; the CUDA equivalent silently drops the copy).
 void submit_copies(const std::vector<CopyDesc>& descs, Direction dir, c10::DeviceIndex device,
                    aclrtStream stream, bool capturing) {
   size_t done = 0;
-#if KVOPS_NPU_BATCH_MEMCPY
-  if (dir != Direction::kDeviceToDevice && !capturing && g_batch_usable.load()) {
+  const MemcpyBatchAsyncFn batch = memcpy_batch_async();
+  if (batch != nullptr && dir != Direction::kDeviceToDevice && !capturing &&
+      g_batch_usable.load()) {
     std::vector<void*> dsts, srcs;
     std::vector<size_t> sizes;
     while (done < descs.size()) {
       const size_t n = std::min(kMaxDescriptorsPerCall, descs.size() - done);
-      if (!copy_batch_slice(descs, done, n, dir, device, stream, dsts, srcs, sizes)) break;
+      if (!copy_batch_slice(batch, descs, done, n, dir, device, stream, dsts, srcs, sizes)) break;
       done += n;
     }
   }
-#else
-  (void)device;
-  (void)capturing;
-#endif
   copy_one_by_one(descs, done, dir, stream);
 }
 
@@ -306,39 +280,30 @@ void swap_blocks_batch_npu(at::TensorList src, at::TensorList dst, const at::Ten
 // is taken to mean "host". A .ptrs batch must use one direction: the first and last copies
 // are classified and must agree (classifying every address would cost two driver calls
 // per copy). Copies go on the current stream of the NPU that owns the device addresses.
+// Without aclrtPointerGetAttributes (resolved at run time) nothing can be classified and
+// every .ptrs batch is left to the CPU kernel: host memory only on such a CANN.
 struct PtrLocation {
   bool device = false;
-  bool managed = false;
   uint32_t id = 0;
 };
 
-// Layout of aclrtPtrAttributes (acl_rt.h): {aclrtMemLocation{uint32_t id; enum type};
-// uint32_t pageSize; uint32_t rsv[4]}. Mirrored so that older headers without the struct
-// still compile; the symbol itself is looked up at run time.
-struct AclPtrAttributes {
-  uint32_t id;
-  int32_t type;
-  uint32_t page_size;
-  uint32_t rsv[4];
-};
-using PointerGetAttributesFn = aclError (*)(const void*, AclPtrAttributes*);
+using PointerGetAttributesFn = decltype(&::aclrtPointerGetAttributes);
 
 PointerGetAttributesFn pointer_get_attributes() {
-  static PointerGetAttributesFn fn =
-      reinterpret_cast<PointerGetAttributesFn>(acl_symbol("aclrtPointerGetAttributes"));
+  static const PointerGetAttributesFn fn = KVOPS_ACL_OPTIONAL(aclrtPointerGetAttributes);
   return fn;
 }
 
 PtrLocation locate(uintptr_t address) {
-  AclPtrAttributes attrs;
+  aclrtPtrAttributes attrs;
   std::memset(&attrs, 0, sizeof(attrs));
   PtrLocation loc;
   if (pointer_get_attributes()(reinterpret_cast<const void*>(address), &attrs) != ACL_SUCCESS) {
     return loc;  // not ACL memory: host
   }
-  loc.device = attrs.type == kMemLocationDevice;
-  loc.managed = attrs.type == kMemLocationManaged;
-  loc.id = attrs.id;
+  // HOST, UNREGISTERED (plain malloc) and HOST_NUMA are all host memory.
+  loc.device = attrs.location.type == ACL_MEM_LOCATION_TYPE_DEVICE;
+  loc.id = attrs.location.id;
   return loc;
 }
 
@@ -346,9 +311,6 @@ bool copy_npu_ptrs(const std::vector<CopyDesc>& descs) {
   if (descs.empty() || pointer_get_attributes() == nullptr) return false;
   const PtrLocation s = locate(descs.front().src), d = locate(descs.front().dst);
   if (!s.device && !d.device) return false;  // host memory: the CPU kernel copies it
-  TORCH_CHECK(!s.managed && !d.managed, "swap_blocks_batch.ptrs (NPU): managed (UVM) memory "
-              "is not supported (copy 0: src=", reinterpret_cast<const void*>(descs.front().src),
-              " dst=", reinterpret_cast<const void*>(descs.front().dst), ")");
   if (s.device && d.device) {
     TORCH_CHECK(s.id == d.id, "swap_blocks_batch.ptrs (NPU): copy 0 goes from npu:", s.id,
                 " to npu:", d.id, "; copies between two NPUs are not supported");
@@ -376,26 +338,54 @@ bool copy_npu_ptrs(const std::vector<CopyDesc>& descs) {
 // Layer events
 // ---------------------------------------------------------------------------------------
 
-// One ACL event per layer. Events come from aclrtCreateEventExWithFlag(ACL_EVENT_SYNC)
-// when the runtime has it (the documented re-recordable kind, and what torch_npu's
-// NPUEvent uses), else from aclrtCreateEvent.
+// Layer events are of one of two kinds, picked once per process from what the runtime has.
+// * torch_npu's kind: aclrtCreateEventExWithFlag(ACL_EVENT_SYNC) (re-recordable; linked
+//   directly, libtorch_npu.so imports it), polled with aclrtQueryEventStatus - the only
+//   status query such events support (torch_npu's AclInterface.cpp: not aclrtQueryEvent).
+// * Without aclrtQueryEventStatus (resolved at run time, as torch_npu resolves it):
+//   classic events from aclrtCreateEvent polled with the deprecated aclrtQueryEvent, what
+//   torch_npu's NPUEvent did before aclrtQueryEventStatus existed. Both are looked up too:
+//   libtorch_npu.so 2.13 imports neither.
+// Neither kind is synchronized on: aclrtSynchronizeEvent would block the polling thread.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"  // naming aclrtQueryEvent's type
+using QueryEventFn = decltype(&::aclrtQueryEvent);
+#pragma GCC diagnostic pop
+
+struct EventApi {
+  decltype(&::aclrtQueryEventStatus) query_status;  // set: torch_npu's kind
+  decltype(&::aclrtCreateEvent) create_classic;
+  QueryEventFn query_classic;
+};
+
+const EventApi& event_api() {
+  static const EventApi api{KVOPS_ACL_OPTIONAL(aclrtQueryEventStatus),
+                            KVOPS_ACL_OPTIONAL(aclrtCreateEvent),
+                            acl_optional<QueryEventFn>("aclrtQueryEvent")};
+  return api;
+}
+
+// One ACL event per layer, of the kind event_api() picks.
 class NpuLayerEvents final : public DeviceEvents {
  public:
   NpuLayerEvents(int64_t num_layers, c10::Device device)
       : device_(device),
         events_(static_cast<size_t>(num_layers), nullptr),
         recorded_(new std::atomic<bool>[static_cast<size_t>(num_layers)]()) {
-    using CreateExFn = aclError (*)(aclrtEvent*, uint32_t);
-    static CreateExFn create_ex =
-        reinterpret_cast<CreateExFn>(acl_symbol("aclrtCreateEventExWithFlag"));
+    const EventApi& api = event_api();
+    TORCH_CHECK(api.query_status != nullptr ||
+                    (api.create_classic != nullptr && api.query_classic != nullptr),
+                "LayerEvents (NPU): this CANN's libascendcl.so has neither aclrtQueryEventStatus "
+                "nor aclrtCreateEvent + aclrtQueryEvent, so layer events cannot be polled");
     c10_npu::NPUGuard guard(device_);
     try {
       for (size_t i = 0; i < events_.size(); ++i) {
-        if (create_ex != nullptr) {
-          KVOPS_ACL_CHECK(create_ex(&events_[i], kAclEventSync), "aclrtCreateEventExWithFlag",
-                          " (layer ", i, " of ", events_.size(), " on ", device_, ")");
+        if (api.query_status != nullptr) {
+          KVOPS_ACL_CHECK(aclrtCreateEventExWithFlag(&events_[i], ACL_EVENT_SYNC),
+                          "aclrtCreateEventExWithFlag", " (layer ", i, " of ", events_.size(),
+                          " on ", device_, ")");
         } else {
-          KVOPS_ACL_CHECK(aclrtCreateEvent(&events_[i]), "aclrtCreateEvent", " (layer ", i,
+          KVOPS_ACL_CHECK(api.create_classic(&events_[i]), "aclrtCreateEvent", " (layer ", i,
                           " of ", events_.size(), " on ", device_, ")");
         }
       }
@@ -432,10 +422,17 @@ class NpuLayerEvents final : public DeviceEvents {
     if (!recorded_[layer].load(std::memory_order_acquire)) return true;
     c10_npu::NPUGuard guard(device_);  // the polling thread may not have set a device
     RelaxedCaptureModeScope relaxed;
-    aclrtEventRecordedStatus status = ACL_EVENT_RECORDED_STATUS_NOT_READY;
-    KVOPS_ACL_CHECK(aclrtQueryEventStatus(events_[layer], &status), "aclrtQueryEventStatus",
-                    " (layer ", layer, " on ", device_, ")");
-    return status == ACL_EVENT_RECORDED_STATUS_COMPLETE;
+    const EventApi& api = event_api();
+    if (api.query_status != nullptr) {
+      aclrtEventRecordedStatus status = ACL_EVENT_RECORDED_STATUS_NOT_READY;
+      KVOPS_ACL_CHECK(api.query_status(events_[layer], &status), "aclrtQueryEventStatus",
+                      " (layer ", layer, " on ", device_, ")");
+      return status == ACL_EVENT_RECORDED_STATUS_COMPLETE;
+    }
+    aclrtEventStatus status = ACL_EVENT_STATUS_NOT_READY;
+    KVOPS_ACL_CHECK(api.query_classic(events_[layer], &status), "aclrtQueryEvent", " (layer ",
+                    layer, " on ", device_, ")");
+    return status == ACL_EVENT_STATUS_COMPLETE;
   }
 
  private:
