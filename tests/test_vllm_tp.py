@@ -26,7 +26,7 @@ from torch_kvops.testing.hf_model import write_context_model  # noqa: E402
 BUDGET = 256
 PROMPT_LENS = [200, 700]  # 700: three chunks, boundaries inside blocks
 NEW_TOKENS = 5
-LEASE_S = 8.0
+LEASE_S = 20.0  # a loaded 2-core machine runs a TP engine's first steps slowly
 PAIRS = [("P2", "D2"), ("P2", "D1"), ("P1", "D2")]
 
 
@@ -94,6 +94,7 @@ class Cluster:
 @pytest.mark.parametrize("pair", PAIRS, ids=[f"{p}-{d}" for p, d in PAIRS])
 def test_tensor_parallel_pairs_move_every_head_of_every_chunk(cluster, pair):
     p, d = pair
+    failed_before = counter_total(cluster.engines[d].ask("stats"), "requests_failed")
     for i, n in enumerate(PROMPT_LENS):
         tid, out = cluster.push(p, d, i)
         assert out["tokens"] == cluster.reference[i], (pair, n)
@@ -102,8 +103,8 @@ def test_tensor_parallel_pairs_move_every_head_of_every_chunk(cluster, pair):
         assert kv["match"], kv
     blocks = cluster.engines[p].drain(30.0)
     assert blocks["idle"] and blocks["free_blocks"] == blocks["usable_blocks"], blocks
-    # each prefill rank sent its heads once: no rank reported a failed request
-    assert counter_total(cluster.engines[d].ask("stats"), "requests_failed") == 0
+    # no part of these requests failed on any decode rank
+    assert counter_total(cluster.engines[d].ask("stats"), "requests_failed") == failed_before
 
 
 def test_a_killed_prefill_rank_makes_decode_recompute_within_its_lease(cluster):
