@@ -11,6 +11,12 @@ Optionally (--kill-prefill) P is killed in the middle of a chunked prefill and D
 outcome is recorded. The last line printed is one JSON object.
 
     python examples/vllm_disagg.py --prompt-lens 33,700,1500 --max-num-batched-tokens 256
+
+``--link 1gbit`` runs all of it inside a network namespace whose loopback is shaped to
+that rate (torch_kvops/emulated_link.py, needs root): the script re-runs itself there,
+so P's pushes, the control channel and the side channel cross the emulated link.
+``--model DIR`` loads a checkpoint (e.g. torch_kvops.testing.hf_model's context-sensitive
+Llama) instead of the dummy-weight model.
 """
 from __future__ import annotations
 
@@ -243,14 +249,35 @@ def main(argv: Optional[List[str]] = None) -> dict:
                     help="finally kill P in the middle of the longest prompt's prefill")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--records", action="store_true", help="include every timed request in the JSON")
+    ap.add_argument("--link", metavar="RATE[,DELAY]",
+                    help="run inside an emulated link, e.g. 1gbit (network namespace; needs root)")
+    ap.add_argument("--link-timeout", type=float, default=4 * 3600.0,
+                    help="bound of the whole run inside the link, seconds")
+    ap.add_argument("--model", metavar="DIR",
+                    help="checkpoint directory (loaded with vLLM's default format); "
+                         "--layers/--hidden/--vocab then come from its config.json")
     args = ap.parse_args(argv)
+    link = None
+    if args.link:
+        from torch_kvops.emulated_link import enter_link
+
+        link = enter_link(args.link, [sys.executable, os.path.abspath(__file__),
+                                      *(sys.argv[1:] if argv is None else argv)], args.link_timeout)
 
     lens = [int(x) for x in args.prompt_lens.split(",") if x]
     modes = [m for m in args.modes.split(",") if m]
     max_len = max(lens) + args.new_tokens + 16
     tmp = tempfile.TemporaryDirectory(prefix="kvops-vllm-")
-    write_model(tmp.name, args.layers, args.hidden, args.vocab, max_len)
-    base = dict(model=tmp.name, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+    if args.model:
+        with open(os.path.join(args.model, "config.json")) as f:
+            config = json.load(f)
+        args.layers, args.hidden, args.vocab = (config["num_hidden_layers"], config["hidden_size"],
+                                                config["vocab_size"])
+        model = dict(model=args.model)
+    else:
+        write_model(tmp.name, args.layers, args.hidden, args.vocab, max_len)
+        model = dict(model=tmp.name, load_format="dummy")
+    base = dict(model, skip_tokenizer_init=True, enforce_eager=True,
                 seed=0, dtype="float32", max_model_len=max_len, block_size=args.block_size,
                 max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=True,
                 enable_prefix_caching=False, max_num_seqs=8)
@@ -267,7 +294,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
     engines = {"ref": Engine("reference", base),
                "P": Engine("prefill", dict(base, kv_transfer_config=prefill_cfg)),
                "D": Engine("decode", dict(base, kv_transfer_config=decode_cfg))}
-    result: dict = {}
+    result: dict = {"load_average": list(os.getloadavg())}
+    if link is not None:
+        result["link"] = {"rate_gbit_s": link.rate_gbit_s, "delay_ms": link.delay_s * 1e3}
     try:
         t0 = time.monotonic()
         for eng in engines.values():
@@ -310,6 +339,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
             out["exposed"] = steps[-1]["exposed_after_forward_s"]
             out["last_layer"] = steps[-1]["last_layer_transfer_s"]
             out["p_chunks"] = len(steps)
+            out["push_span"] = sum(s.get("push_span_s") or 0.0 for s in steps)
             return out
 
         for rnd in range(args.warmup_rounds + args.rounds):
@@ -321,6 +351,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 ref = engines["ref"].wait_done(f"ref-{seq}", args.timeout)
                 ref_tokens[i] = ref["tokens"]
                 if timed:
+                    records.append({"len": n, "mode": "monolithic", "ttft": round(ref["t_first"] - sent, 5),
+                                    "round": rnd, "load1": os.getloadavg()[0]})
                     ttft["monolithic"].append(ref["t_first"] - sent)
                     per_len["monolithic"].setdefault(n, []).append(ref["t_first"] - sent)
                 # alternate the order of the modes so that drift in the machine's load
@@ -330,7 +362,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
                     if timed:
                         records.append({"len": n, "mode": mode, "ttft": round(out["ttft"], 5),
                                         "prefill_done": round(out["p_ttft"], 5),
-                                        "exposed": round(out["exposed"], 5)})
+                                        "exposed": round(out["exposed"], 5),
+                                        "push_span": round(out["push_span"], 5),
+                                        "round": rnd, "load1": os.getloadavg()[0]})
                         paired.setdefault((rnd, i), {})[mode] = out["ttft"]
                         exposed[mode].append(out["exposed"])
                         last_layer[mode].append(out["last_layer"])

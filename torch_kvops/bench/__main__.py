@@ -1,4 +1,5 @@
-"""``python -m torch_kvops.bench [--quick] [--only ops,cuda,transfer,overlap] [--redraw RESULTS_JSON]``
+"""``python -m torch_kvops.bench [--quick] [--only ops,cuda,transfer,overlap] [--redraw RESULTS_JSON]
+[--link RATE[,DELAY]]``
 
 Runs the op benchmarks (CPU; CUDA copies against C++ baselines where a GPU exists),
 the transfer benchmarks and the layer-wise overlap
@@ -6,12 +7,17 @@ benchmark. Every figure is a ratio against a baseline measured in the same run, 
 absolute numbers labelled with the machine. Writes ``bench-results.json``, then a
 timeline PNG of one prefill step (needs matplotlib: ``pip install 'torch_kvops[plot]'``;
 without it the PNG is skipped with a note, and the run still succeeds).
+
+``--link 1gbit`` runs the benchmarks inside a network namespace whose loopback is
+shaped to that rate (torch_kvops/emulated_link.py; needs root): the transfer benchmark
+then reports the pushes against the link's rate.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import time
 from typing import Optional
@@ -31,7 +37,17 @@ def main(argv=None) -> int:
     p.add_argument("--timeline", default="timeline.png")
     p.add_argument("--redraw", metavar="RESULTS_JSON",
                    help="run nothing: draw the timeline from a results file written earlier")
+    p.add_argument("--link", metavar="RATE[,DELAY]",
+                   help="run inside an emulated link (network namespace, shaped loopback; root)")
+    p.add_argument("--link-timeout", type=float, default=4 * 3600.0,
+                   help="bound of the whole run inside the link, seconds")
     args = p.parse_args(argv)
+    link = None
+    if args.link:
+        from ..emulated_link import enter_link
+
+        link = enter_link(args.link, [sys.executable, "-m", "torch_kvops.bench",
+                                      *(sys.argv[1:] if argv is None else argv)], args.link_timeout)
     if args.redraw:
         with open(args.redraw) as f:
             saved = json.load(f)
@@ -45,7 +61,10 @@ def main(argv=None) -> int:
     unknown = wanted - {"ops", "cuda", "transfer", "overlap"}
     if unknown:
         p.error(f"--only: unknown benchmark(s) {sorted(unknown)}; choose from ops, cuda, transfer, overlap")
-    results = {"machine": machine(), "quick": args.quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    results = {"machine": machine(), "quick": args.quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+               "load_average": os.getloadavg()}
+    if link is not None:
+        results["link"] = {"rate_gbit_s": link.rate_gbit_s, "delay_ms": link.delay_s * 1e3}
     print(f"machine: {results['machine']}")
     if "ops" in wanted:
         print("\n== swap_blocks_batch vs hand-written copies (medians of interleaved runs)")
@@ -61,8 +80,9 @@ def main(argv=None) -> int:
         else:
             print("\n== CUDA copies: skipped, torch.cuda.is_available() is False")
     if "transfer" in wanted:
-        print("\n== layer-wise push over Mooncake TCP: contiguous vs fragmented blocks")
-        results["transfer"] = transfer_bench.run(args.quick)
+        print("\n== layer-wise push over Mooncake TCP: contiguous vs fragmented blocks"
+              + (f" (emulated {link.text} link)" if link else ""))
+        results["transfer"] = transfer_bench.run(args.quick, link)
         transfer_bench.print_table(results["transfer"])
     if "overlap" in wanted:
         print("\n== layer-wise push vs push after the forward (paged Llama, two processes)")

@@ -166,6 +166,9 @@ class KvopsWorker:
                 # what the engine waited for after its forward: the transfer not hidden
                 "exposed_after_forward_s": t1 - t0,
                 "last_layer_transfer_s": (last["landed"] - last["event_ready"]) if last else None,
+                # first layer's KV ready -> last layer landed: the whole transfer when
+                # pushed after the forward
+                "push_span_s": (last["landed"] - min(t["event_ready"] for t in trace)) if last else None,
                 "layers_pushed": len(trace)})
             self._step_mode = None
 
