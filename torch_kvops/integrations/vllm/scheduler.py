@@ -174,6 +174,7 @@ class ConsumerScheduler:
         if self.peer_info is None:
             raise RuntimeError("the decode worker sent no handshake (peer_info)")
         tid = str(params["transfer_id"])
+        log.debug("request %s: decode blocks allocated at %.4f", request.request_id, time.monotonic())
         block_ids = list(self.kv_cache_manager.get_block_ids(request.request_id)[0])
         self.poster.post(str(params["kvops_producer"]), {
             "transfer_id": tid, "block_ids": block_ids,

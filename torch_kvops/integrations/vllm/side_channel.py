@@ -100,6 +100,7 @@ class DestinationServer:
                 log.error("side channel full (%d destinations): refusing %s", self._capacity, tid)
                 return b"full"
             self._dests[tid] = (time.monotonic() + self._ttl_s, dest)
+        log.debug("destination of %s arrived at %.4f", tid, time.monotonic())
         return b"ok"
 
     def close(self, timeout: float = 5.0) -> None:
@@ -153,6 +154,7 @@ class DestinationPoster:
                     sock.sendall(payload)
                     answer = _read_line(sock, 64).strip()
                 if answer == b"ok":
+                    log.debug("posted %s at %.4f", message.get("transfer_id"), time.monotonic())
                     return
                 log.error("prefill side at %s refused %s: %s", address,
                           message.get("transfer_id"), answer.decode(errors="replace"))

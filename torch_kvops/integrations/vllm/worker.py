@@ -61,6 +61,7 @@ class KvopsWorker:
         self._all_views: List[Tuple[int, torch.Tensor]] = []
         self._step_mode: Optional[str] = None  # push mode of the running step, if any
         self._step_tids: List[str] = []
+        self._step_started = 0.0  # time.monotonic() when the running step was handed over
         self._steps: deque = deque(maxlen=256)  # recent push steps, for recent_steps()
         self._peers: Dict[str, str] = {}  # consumer engine id -> peer id
         # producer: per request id
@@ -121,6 +122,7 @@ class KvopsWorker:
             modes.add(push.push_mode)
         if requests:
             log.debug("start_step %s at %.4f", [r.req_id for r in requests], time.monotonic())
+            self._step_started = time.monotonic()
             self.conn.start_step(requests)
             # one mode per step: a step holding any after-forward request pushes after
             # the forward (a per-request split would need two steps' worth of pushes)
@@ -159,10 +161,13 @@ class KvopsWorker:
             self.conn.wait_for_save(timeout=self.settings.step_timeout_s)
         finally:
             t1 = time.perf_counter()
+            log.debug("step %s: forward done %.4f, pushes landed %.4f", self._step_tids,
+                      time.monotonic() - (t1 - t0), time.monotonic())
             trace = self.conn.last_step_trace()
             last = max(trace, key=lambda t: t["landed"]) if trace else None
             self._steps.append({
                 "transfer_ids": self._step_tids, "push_mode": self._step_mode,
+                "started_at": self._step_started,
                 # what the engine waited for after its forward: the transfer not hidden
                 "exposed_after_forward_s": t1 - t0,
                 "last_layer_transfer_s": (last["landed"] - last["event_ready"]) if last else None,
