@@ -99,6 +99,9 @@ def engine_main(pipe, engine_kwargs: dict) -> None:
                 if cmd == "drain":  # answer once every request and delayed free is done
                     drain_deadline = time.monotonic() + args[0]
                     continue
+                if cmd == "metrics":  # this engine's vllm:kvops_* Prometheus metrics
+                    pipe.send(("metrics", kvops_metrics(engine)))
+                    continue
                 if cmd == "stop":
                     engine.engine_core.shutdown()  # closes the KV connector (threads, memory)
                     pipe.send(("stopped", None))
@@ -131,6 +134,24 @@ def engine_main(pipe, engine_kwargs: dict) -> None:
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
         raise
+
+
+def kvops_metrics(engine) -> dict:
+    """The connector's metrics as the engine exports them (needs disable_log_stats=False):
+    counters as numbers, histograms as {count, sum}; labelled ones as name{label=value}."""
+    from vllm.v1.metrics.reader import Counter, Histogram
+
+    out = {}
+    for metric in engine.get_metrics():
+        if not metric.name.startswith("vllm:kvops_"):
+            continue
+        extra = {k: v for k, v in metric.labels.items() if k not in ("model_name", "engine")}
+        name = metric.name + "".join(f"{{{k}={v}}}" for k, v in sorted(extra.items()))
+        if isinstance(metric, Counter):
+            out[name] = metric.value
+        elif isinstance(metric, Histogram):
+            out[name] = {"count": metric.count, "sum": metric.sum}
+    return out
 
 
 def kvops_steps(req_id: str) -> list:
@@ -185,6 +206,16 @@ class Engine:
         while True:
             kind, rest = self._recv(max(0.0, deadline - time.monotonic()))
             if kind == "drained":
+                return rest[0]
+            if kind == "done":
+                self.results[rest[0]] = rest[1]
+
+    def metrics(self, timeout: float = 60.0) -> dict:
+        self.pipe.send(("metrics",))
+        deadline = time.monotonic() + timeout
+        while True:
+            kind, rest = self._recv(max(0.0, deadline - time.monotonic()))
+            if kind == "metrics":
                 return rest[0]
             if kind == "done":
                 self.results[rest[0]] = rest[1]
@@ -253,6 +284,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
                     help="run inside an emulated link, e.g. 1gbit (network namespace; needs root)")
     ap.add_argument("--link-timeout", type=float, default=4 * 3600.0,
                     help="bound of the whole run inside the link, seconds")
+    ap.add_argument("--metrics", action="store_true",
+                    help="P and D log stats; report their vllm:kvops_* metrics (P's before --kill-prefill)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads per engine (OMP_NUM_THREADS; default: the engines' own)")
     ap.add_argument("--model", metavar="DIR",
                     help="checkpoint directory (loaded with vLLM's default format); "
                          "--layers/--hidden/--vocab then come from its config.json")
@@ -277,6 +312,12 @@ def main(argv: Optional[List[str]] = None) -> dict:
     else:
         write_model(tmp.name, args.layers, args.hidden, args.vocab, max_len)
         model = dict(model=tmp.name, load_format="dummy")
+        with open(os.path.join(tmp.name, "config.json")) as f:
+            config = json.load(f)
+    # one block of KV over all layers (float32 K and V), for the bytes the metrics count
+    kv_block_bytes = (2 * config["num_hidden_layers"] * config["num_key_value_heads"]
+                      * config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+                      * args.block_size * 4)
     base = dict(model, skip_tokenizer_init=True, enforce_eager=True,
                 seed=0, dtype="float32", max_model_len=max_len, block_size=args.block_size,
                 max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=True,
@@ -291,9 +332,12 @@ def main(argv: Optional[List[str]] = None) -> dict:
                       kv_connector_extra_config={"connector": {"lease_s": args.lease_s}})
     producer_addr = f"127.0.0.1:{side_port}"
 
+    if args.threads:  # read by each engine's OpenMP runtime when it starts (spawn)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    pd_base = dict(base, disable_log_stats=False) if args.metrics else base
     engines = {"ref": Engine("reference", base),
-               "P": Engine("prefill", dict(base, kv_transfer_config=prefill_cfg)),
-               "D": Engine("decode", dict(base, kv_transfer_config=decode_cfg))}
+               "P": Engine("prefill", dict(pd_base, kv_transfer_config=prefill_cfg)),
+               "D": Engine("decode", dict(pd_base, kv_transfer_config=decode_cfg))}
     result: dict = {"load_average": list(os.getloadavg())}
     if link is not None:
         result["link"] = {"rate_gbit_s": link.rate_gbit_s, "delay_ms": link.delay_s * 1e3}
@@ -386,6 +430,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
             "tokens_match": all(matches), "prompts": len(lens), "prompt_lens": lens,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "layers": args.layers, "hidden": args.hidden, "rounds": args.rounds,
+            "kv_block_bytes": kv_block_bytes,
             "warmup_rounds": args.warmup_rounds,
             "ttft_s": {k: spread(v) for k, v in ttft.items() if v},
             "ttft_s_by_len": {k: {str(n): round(statistics.median(v), 4) for n, v in d.items()}
@@ -413,6 +458,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
 
         # P holds a request's blocks until its push is acknowledged, then frees them all
         result["prefill_blocks_after_drain"] = engines["P"].drain(30.0)
+        if args.metrics:
+            result["metrics"] = {"P": engines["P"].metrics()}
 
         if args.kill_prefill:
             i = max(range(len(lens)), key=lambda k: lens[k])
@@ -435,6 +482,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 "d_tokens_match": out["tokens"] == ref_tokens[i],
                 "d_local_prompt_tokens": local_prompt_tokens(out),
             }
+        if args.metrics:  # after the kill: D counts the failure it saw
+            result["metrics"]["D"] = engines["D"].metrics()
     finally:
         problems = []
         for name, eng in engines.items():

@@ -1,4 +1,4 @@
-"""``python -m torch_kvops.bench [--quick] [--only ops,cuda,transfer,overlap] [--redraw RESULTS_JSON]
+"""``python -m torch_kvops.bench [--quick] [--only ops,cuda,transfer,overlap,metrics] [--redraw RESULTS_JSON]
 [--link RATE[,DELAY]]``
 
 Runs the op benchmarks (CPU; CUDA copies against C++ baselines where a GPU exists),
@@ -58,9 +58,10 @@ def main(argv=None) -> int:
             print(f"timeline: {drawn}")
         return 0
     wanted = set(args.only.split(","))
-    unknown = wanted - {"ops", "cuda", "transfer", "overlap"}
+    unknown = wanted - {"ops", "cuda", "transfer", "overlap", "metrics"}
     if unknown:
-        p.error(f"--only: unknown benchmark(s) {sorted(unknown)}; choose from ops, cuda, transfer, overlap")
+        p.error(f"--only: unknown benchmark(s) {sorted(unknown)}; choose from ops, cuda, transfer, "
+                "overlap, metrics")
     results = {"machine": machine(), "quick": args.quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
                "load_average": os.getloadavg()}
     if link is not None:
@@ -84,6 +85,12 @@ def main(argv=None) -> int:
               + (f" (emulated {link.text} link)" if link else ""))
         results["transfer"] = transfer_bench.run(args.quick, link)
         transfer_bench.print_table(results["transfer"])
+    if "metrics" in wanted:  # not in the default set: needs vLLM
+        from . import metrics_cost
+
+        print("\n== the vLLM connector's metrics on the push path: with vs without (interleaved)")
+        results["metrics"] = metrics_cost.run(rounds=10 if args.quick else 40)
+        metrics_cost.print_table(results["metrics"])
     if "overlap" in wanted:
         print("\n== layer-wise push vs push after the forward (paged Llama, two processes)")
         overlap = overlap_bench.run(args.quick)

@@ -181,6 +181,7 @@ class ConsumerSide:
                 self._stats.add(bytes_sent=entry.bytes)
             else:
                 log.warning("request %s failed on the producer: %s", req_id, message.get("reason"))
+                self._stats.add(failed_by_producer=1)
             self._end_locked(req_id, ok=op == "chunk")
 
     def _end_locked(self, req_id: str, ok: bool) -> None:
@@ -201,6 +202,7 @@ class ConsumerSide:
             for req_id in begun:
                 log.warning("request %s: the connection of producer %s ended before it finished",
                             req_id, session.producer)
+                self._stats.add(failed_producer_gone=1)
                 self._end_locked(req_id, ok=False)
             self._owned_blocks.pop(session, None)
         if self._staging is not None and session.producer is not None:
@@ -212,6 +214,7 @@ class ConsumerSide:
             expired = [r for r, entry in self._incoming.items() if entry.deadline < now]
             for req_id in expired:
                 log.warning("request %s: lease expired before it finished", req_id)
+                self._stats.add(failed_lease_expired=1)
                 self._end_locked(req_id, ok=False)
 
     # ------------------------------------------------------------------ shutdown

@@ -15,6 +15,7 @@ from ...connector import LayerwiseConnector
 from ...plan import TransferRequest
 from ...transports import MooncakeTransport
 from .metadata import KvopsConnectorMetadata, KvopsSettings
+from .metrics import KvopsConnectorStats, StatsCollector
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class KvopsWorker:
         self._early_failed: Set[str] = set()
         self._dead_peers: Dict[str, str] = {}  # consumer engine id -> why add_peer failed
         self._failed_recv: Set[str] = set()
+        self.metrics = StatsCollector(role)
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         caches = []
@@ -113,6 +115,7 @@ class KvopsWorker:
             peer = self._peer(push.peer_info)
             if peer is None:  # decode side unreachable: the request's push failed
                 self._outcome.add(push.req_id)
+                self.metrics.count("failed_decode_unreachable")
                 continue
             self._tid_to_req[push.transfer_id] = push.req_id
             if push.last_chunk:
@@ -175,6 +178,7 @@ class KvopsWorker:
                 # pushed after the forward
                 "push_span_s": (last["landed"] - min(t["event_ready"] for t in trace)) if last else None,
                 "layers_pushed": len(trace)})
+            self.metrics.on_step(trace, t1 - t0)
             self._step_mode = None
 
     def recent_steps(self, transfer_id: Optional[str] = None) -> List[dict]:
@@ -186,6 +190,8 @@ class KvopsWorker:
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Set[str], Set[str], Set[str]]:
         """(finished_sending, finished_recving, failed_recving) as vLLM request ids."""
         done, failed = self.conn.get_finished()
+        if done or failed:
+            self.metrics.touch()
         if self.role == "consumer":
             recving, bad = self._early_done | self._early_failed, set(self._early_failed)
             self._early_done, self._early_failed = set(), set()
@@ -225,6 +231,10 @@ class KvopsWorker:
         self._last_started -= sending
         self._known -= sending
         return sending, set(), set()
+
+    def connector_stats(self) -> Optional[KvopsConnectorStats]:
+        """This interval's metrics (None if nothing happened): metrics.py."""
+        return self.metrics.take(self.conn.stats)
 
     def close(self) -> None:
         try:
