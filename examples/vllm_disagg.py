@@ -14,6 +14,10 @@ P's, block by block (the prompt tokens D received), and reports the first differ
 layer and block. The last line printed is one JSON object.
 
     python examples/vllm_disagg.py --prompt-lens 33,700,1500 --max-num-batched-tokens 256
+
+``--link 1gbit`` runs all of it inside a network namespace whose loopback is shaped to
+that rate (torch_kvops/emulated_link.py, needs root): the script re-runs itself there,
+so P's pushes, the control channel and the side channel cross the emulated link.
 """
 from __future__ import annotations
 
@@ -110,6 +114,9 @@ def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
                 if cmd == "worker_pids":
                     pipe.send(("worker_pids", engine.collective_rpc(probes.worker_pid)))
                     continue
+                if cmd == "metrics":  # this engine's vllm:kvops_* Prometheus metrics
+                    pipe.send(("metrics", kvops_metrics(engine)))
+                    continue
                 if cmd == "stop":
                     engine.engine_core.shutdown()  # closes the KV connector (threads, memory)
                     pipe.send(("stopped", None))
@@ -151,6 +158,24 @@ def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
         raise
+
+
+def kvops_metrics(engine) -> dict:
+    """The connector's metrics as the engine exports them (needs disable_log_stats=False):
+    counters as numbers, histograms as {count, sum}; labelled ones as name{label=value}."""
+    from vllm.v1.metrics.reader import Counter, Histogram
+
+    out = {}
+    for metric in engine.get_metrics():
+        if not metric.name.startswith("vllm:kvops_"):
+            continue
+        extra = {k: v for k, v in metric.labels.items() if k not in ("model_name", "engine")}
+        name = metric.name + "".join(f"{{{k}={v}}}" for k, v in sorted(extra.items()))
+        if isinstance(metric, Counter):
+            out[name] = metric.value
+        elif isinstance(metric, Histogram):
+            out[name] = {"count": metric.count, "sum": metric.sum}
+    return out
 
 
 class Engine:
@@ -210,6 +235,10 @@ class Engine:
                 return rest[0]
             if kind == "done":
                 self.results[rest[0]] = rest[1]
+
+    def metrics(self, timeout: float = 60.0) -> dict:
+        """The engine's vllm:kvops_* metrics (needs --metrics: log stats on)."""
+        return self.ask("metrics", timeout=timeout)
 
     def stop(self, timeout: float = 60.0) -> None:
         if self.proc.is_alive():
@@ -337,7 +366,21 @@ def main(argv: Optional[List[str]] = None) -> dict:
                          "process name (instrumentation, fault injection in tests)")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--records", action="store_true", help="include every timed request in the JSON")
+    ap.add_argument("--link", metavar="RATE[,DELAY]",
+                    help="run inside an emulated link, e.g. 1gbit (network namespace; needs root)")
+    ap.add_argument("--link-timeout", type=float, default=4 * 3600.0,
+                    help="bound of the whole run inside the link, seconds")
+    ap.add_argument("--metrics", action="store_true",
+                    help="P and D log stats; report their vllm:kvops_* metrics (P's before --kill-prefill)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads per engine (OMP_NUM_THREADS; default: the engines' own)")
     args = ap.parse_args(argv)
+    link = None
+    if args.link:
+        from torch_kvops.emulated_link import enter_link
+
+        link = enter_link(args.link, [sys.executable, os.path.abspath(__file__),
+                                      *(sys.argv[1:] if argv is None else argv)], args.link_timeout)
 
     from torch_kvops.integrations.vllm.probes import counter_total
 
@@ -354,6 +397,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     with open(os.path.join(model, "config.json")) as f:
         model_config = json.load(f)
     vocab, num_layers = int(model_config["vocab_size"]), int(model_config["num_hidden_layers"])
+    # one block of KV over all layers (float32 K and V), for the bytes the metrics count
+    kv_block_bytes = (2 * num_layers * model_config["num_key_value_heads"]
+                      * model_config.get("head_dim", model_config["hidden_size"]
+                                         // model_config["num_attention_heads"])
+                      * args.block_size * 4)
     base = dict(model=model, skip_tokenizer_init=True, enforce_eager=True,
                 seed=0, dtype="float32", max_model_len=max_len, block_size=args.block_size,
                 max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=True,
@@ -369,13 +417,18 @@ def main(argv: Optional[List[str]] = None) -> dict:
                                                                "integrity_check": args.integrity}})
     producer_addr = f"127.0.0.1:{side_port}"
 
+    if args.threads:  # read by each engine's OpenMP runtime when it starts (spawn)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    pd_base = dict(base, disable_log_stats=False) if args.metrics else base
     setup = args.engine_setup
     engines = {"ref": Engine("reference", base, setup),
-               "P": Engine("prefill", dict(base, kv_transfer_config=prefill_cfg,
+               "P": Engine("prefill", dict(pd_base, kv_transfer_config=prefill_cfg,
                                            **tensor_parallel(args.prefill_tp)), setup),
-               "D": Engine("decode", dict(base, kv_transfer_config=decode_cfg,
+               "D": Engine("decode", dict(pd_base, kv_transfer_config=decode_cfg,
                                           **tensor_parallel(args.decode_tp)), setup)}
-    result: dict = {}
+    result: dict = {"load_average": list(os.getloadavg())}
+    if link is not None:
+        result["link"] = {"rate_gbit_s": link.rate_gbit_s, "delay_ms": link.delay_s * 1e3}
     try:
         t0 = time.monotonic()
         for eng in engines.values():
@@ -417,6 +470,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
             out["exposed"] = steps[-1]["exposed_after_forward_s"]
             out["last_layer"] = steps[-1]["last_layer_transfer_s"]
             out["p_chunks"] = len(steps)
+            out["push_span"] = sum(s.get("push_span_s") or 0.0 for s in steps)
+            # P's first push step began: it waited this long for D's block ids
+            out["p_start"] = steps[0]["started_at"] - sent if "started_at" in steps[0] else None
             return out
 
         for rnd in range(args.warmup_rounds + args.rounds):
@@ -428,6 +484,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 ref = engines["ref"].wait_done(f"ref-{seq}", args.timeout)
                 ref_tokens[i] = ref["tokens"]
                 if timed:
+                    records.append({"len": n, "mode": "monolithic", "ttft": round(ref["t_first"] - sent, 5),
+                                    "round": rnd, "load1": os.getloadavg()[0]})
                     ttft["monolithic"].append(ref["t_first"] - sent)
                     per_len["monolithic"].setdefault(n, []).append(ref["t_first"] - sent)
                 # alternate the order of the modes so that drift in the machine's load
@@ -437,7 +495,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
                     if timed:
                         records.append({"len": n, "mode": mode, "ttft": round(out["ttft"], 5),
                                         "prefill_done": round(out["p_ttft"], 5),
-                                        "exposed": round(out["exposed"], 5)})
+                                        "exposed": round(out["exposed"], 5),
+                                        "push_span": round(out["push_span"], 5),
+                                        "p_start": out["p_start"] and round(out["p_start"], 5),
+                                        "round": rnd, "load1": os.getloadavg()[0]})
                         paired.setdefault((rnd, i), {})[mode] = out["ttft"]
                         exposed[mode].append(out["exposed"])
                         last_layer[mode].append(out["last_layer"])
@@ -458,6 +519,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
             "tokens_match": all(matches), "prompts": len(lens), "prompt_lens": lens,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "model": args.model or "test Llama (seeded)", "layers": num_layers, "rounds": args.rounds,
+            "kv_block_bytes": kv_block_bytes,
             "warmup_rounds": args.warmup_rounds,
             "ttft_s": {k: spread(v) for k, v in ttft.items() if v},
             "ttft_s_by_len": {k: {str(n): round(statistics.median(v), 4) for n, v in d.items()}
@@ -489,6 +551,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
 
         # P holds a request's blocks until its push is acknowledged, then frees them all
         result["prefill_blocks_after_drain"] = engines["P"].drain(30.0)
+        if args.metrics:
+            result["metrics"] = {"P": engines["P"].metrics()}
 
         if args.kill_prefill:
             i = max(range(len(lens)), key=lambda k: lens[k])
@@ -521,6 +585,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 "d_tokens_match": out["tokens"] == ref_tokens[i],
                 "d_local_prompt_tokens": local_prompt_tokens(out),
             }
+        if args.metrics:  # after the kill: D counts the failure it saw
+            result["metrics"]["D"] = engines["D"].metrics()
     finally:
         problems = []
         for name, eng in engines.items():

@@ -31,7 +31,7 @@ def disagg_run():
            "--prompt-lens", ",".join(map(str, PROMPT_LENS)), "--max-num-batched-tokens", str(BUDGET),
            "--new-tokens", "6", "--modes", "layerwise", "--lease-s", str(LEASE_S), "--kill-prefill",
            "--compare-kv",
-           "--timeout", "240"]
+           "--timeout", "240", "--metrics"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     last = proc.stdout.strip().splitlines()[-1]
@@ -75,3 +75,40 @@ def test_killed_prefill_engine_gives_a_bounded_recompute_on_decode(disagg_run):
     assert kill["d_local_prompt_tokens"] == kill["prompt_len"]
     assert kill["d_tokens_match"] is True
     assert kill["d_finish_reason"] == "length"
+
+
+def _blocks_pushed(prompt_len: int, budget: int, block_size: int = 32) -> int:
+    """Blocks P pushes for one prompt prefilled in chunks of ``budget`` tokens: each
+    chunk's blocks, a block cut by a chunk boundary again with the next chunk."""
+    blocks, start = 0, 0
+    while start < prompt_len:
+        end = min(start + budget, prompt_len)
+        blocks += -(-end // block_size) - start // block_size
+        start = end
+    return blocks
+
+
+def test_connector_metrics_read_from_the_engines(disagg_run):
+    """vllm:kvops_* metrics as P and D export them (LLM(disable_log_stats=False),
+    get_metrics()): P's before the kill, D's after it."""
+    result, _ = disagg_run
+    p, d = result["metrics"]["P"], result["metrics"]["D"]
+    runs = result["warmup_rounds"] + result["rounds"]  # every prompt once per round
+    steps = runs * sum(result["prefill_push_steps_per_prompt"])
+    requests = runs * len(PROMPT_LENS)
+    blocks = runs * sum(_blocks_pushed(n, BUDGET) for n in PROMPT_LENS)
+    assert p["vllm:kvops_pushed_bytes"] == blocks * result["kv_block_bytes"]
+    assert d["vllm:kvops_received_bytes"] == p["vllm:kvops_pushed_bytes"]  # the killed one did not finish
+    assert p["vllm:kvops_pushed_layers"] == steps * result["layers"]
+    transfer = p["vllm:kvops_layer_transfer_seconds"]
+    assert transfer["count"] == steps * result["layers"] and transfer["sum"] > 0
+    assert p["vllm:kvops_exposed_transfer_seconds"]["count"] == steps
+    assert p["vllm:kvops_requests_finished"] == requests and p["vllm:kvops_requests_failed"] == 0
+    assert not [k for k in p if k.startswith("vllm:kvops_failures")]
+    assert p["vllm:kvops_staging_waits"] >= 0 and p["vllm:kvops_integrity_failures"] == 0
+    # D: the request whose prefill engine was killed failed once, for that cause
+    assert d["vllm:kvops_requests_finished"] == requests and d["vllm:kvops_requests_failed"] == 1
+    causes = {k: v for k, v in d.items() if k.startswith("vllm:kvops_failures")}
+    assert sum(causes.values()) == 1, causes
+    assert set(causes) <= {"vllm:kvops_failures{cause=producer_gone}",
+                           "vllm:kvops_failures{cause=lease_expired}"}, causes

@@ -1,4 +1,5 @@
-"""``python -m torch_kvops.bench [--quick] [--only ops,cuda,offload,transfer,integrity,overlap] [--redraw RESULTS_JSON]``
+"""``python -m torch_kvops.bench [--quick] [--only ops,cuda,offload,transfer,integrity,overlap,metrics]
+[--redraw RESULTS_JSON] [--link RATE[,DELAY]]``
 
 Runs the op benchmarks (CPU; CUDA copies against C++ baselines where a GPU exists),
 the KV offloading jobs (CPU; CUDA where a GPU exists), the transfer benchmarks, the
@@ -6,12 +7,17 @@ cost of the integrity check and the layer-wise overlap benchmark. Every figure i
 absolute numbers labelled with the machine. Writes ``bench-results.json``, then a
 timeline PNG of one prefill step (needs matplotlib: ``pip install 'torch_kvops[plot]'``;
 without it the PNG is skipped with a note, and the run still succeeds).
+
+``--link 1gbit`` runs the benchmarks inside a network namespace whose loopback is
+shaped to that rate (torch_kvops/emulated_link.py; needs root): the transfer benchmark
+then reports the pushes against the link's rate.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import time
 from typing import Optional
@@ -33,7 +39,17 @@ def main(argv=None) -> int:
     p.add_argument("--timeline", default="timeline.png")
     p.add_argument("--redraw", metavar="RESULTS_JSON",
                    help="run nothing: draw the timeline from a results file written earlier")
+    p.add_argument("--link", metavar="RATE[,DELAY]",
+                   help="run inside an emulated link (network namespace, shaped loopback; root)")
+    p.add_argument("--link-timeout", type=float, default=4 * 3600.0,
+                   help="bound of the whole run inside the link, seconds")
     args = p.parse_args(argv)
+    link = None
+    if args.link:
+        from ..emulated_link import enter_link
+
+        link = enter_link(args.link, [sys.executable, "-m", "torch_kvops.bench",
+                                      *(sys.argv[1:] if argv is None else argv)], args.link_timeout)
     if args.redraw:
         with open(args.redraw) as f:
             saved = json.load(f)
@@ -44,11 +60,14 @@ def main(argv=None) -> int:
             print(f"timeline: {drawn}")
         return 0
     wanted = set(args.only.split(","))
-    unknown = wanted - {"ops", "cuda", "offload", "transfer", "integrity", "overlap"}
+    unknown = wanted - {"ops", "cuda", "offload", "transfer", "integrity", "overlap", "metrics"}
     if unknown:
         p.error(f"--only: unknown benchmark(s) {sorted(unknown)}; choose from ops, cuda, offload, "
-                "transfer, integrity, overlap")
-    results = {"machine": machine(), "quick": args.quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                "transfer, integrity, overlap, metrics")
+    results = {"machine": machine(), "quick": args.quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+               "load_average": os.getloadavg()}
+    if link is not None:
+        results["link"] = {"rate_gbit_s": link.rate_gbit_s, "delay_ms": link.delay_s * 1e3}
     print(f"machine: {results['machine']}")
     if "ops" in wanted:
         print("\n== swap_blocks_batch vs hand-written copies (medians of interleaved runs)")
@@ -69,13 +88,20 @@ def main(argv=None) -> int:
         results["offload"] = offload_bench.run(args.quick)
         offload_bench.print_table(results["offload"])
     if "transfer" in wanted:
-        print("\n== layer-wise push over Mooncake TCP: contiguous vs fragmented blocks")
-        results["transfer"] = transfer_bench.run(args.quick)
+        print("\n== layer-wise push over Mooncake TCP: contiguous vs fragmented blocks"
+              + (f" (emulated {link.text} link)" if link else ""))
+        results["transfer"] = transfer_bench.run(args.quick, link)
         transfer_bench.print_table(results["transfer"])
     if "integrity" in wanted:
         print("\n== cost of the end-to-end integrity check (fragmented push, interleaved)")
         results["integrity"] = integrity_bench.run(args.quick)
         integrity_bench.print_table(results["integrity"])
+    if "metrics" in wanted:  # not in the default set: needs vLLM
+        from . import metrics_cost
+
+        print("\n== the vLLM connector's metrics on the push path: with vs without (interleaved)")
+        results["metrics"] = metrics_cost.run(rounds=10 if args.quick else 40)
+        metrics_cost.print_table(results["metrics"])
     if "overlap" in wanted:
         print("\n== layer-wise push vs push after the forward (paged Llama, two processes)")
         overlap = overlap_bench.run(args.quick)

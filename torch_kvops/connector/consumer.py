@@ -185,6 +185,7 @@ class ConsumerSide:
             entry.deadline = time.monotonic() + self._config.lease_s
             if op == "failed":
                 log.warning("request %s failed on the producer: %s", req_id, message.get("reason"))
+                self._stats.add(failed_by_producer=1)
                 self._end_locked(req_id, ok=False)
                 return
             entry.chunks += 1
@@ -258,6 +259,7 @@ class ConsumerSide:
             for req_id in begun:
                 log.warning("request %s: the connection of producer %s ended before it finished",
                             req_id, session.producer)
+                self._stats.add(failed_producer_gone=1)
                 self._end_locked(req_id, ok=False)
             self._owned_blocks.pop(session, None)
         if self._staging is not None and session.producer is not None:
@@ -270,6 +272,7 @@ class ConsumerSide:
                        if entry.deadline < now and not entry.verifying]
             for req_id in expired:
                 log.warning("request %s: lease expired before it finished", req_id)
+                self._stats.add(failed_lease_expired=1)
                 self._end_locked(req_id, ok=False)
 
     # ------------------------------------------------------------------ shutdown

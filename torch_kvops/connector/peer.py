@@ -205,8 +205,12 @@ class PeerLink:
     def _claim_slot(self) -> int:
         """The next staging slot, once the peer has released it (ack)."""
         slot = self.staging.next_slot()
-        if self.staging.busy[slot] and self._receive_until(lambda m: not self.staging.busy[slot]) is None:
-            raise self.give_up(f"staging slot {slot} was not released in time")
+        if self.staging.busy[slot]:
+            waited_from = time.perf_counter()
+            released = self._receive_until(lambda m: not self.staging.busy[slot]) is not None
+            self._stats.add(staging_waits=1, staging_wait_s=time.perf_counter() - waited_from)
+            if not released:
+                raise self.give_up(f"staging slot {slot} was not released in time")
         return slot
 
     def close(self) -> None:

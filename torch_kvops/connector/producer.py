@@ -290,6 +290,7 @@ class ProducerSide:
                 continue
             if rejected:  # the consumer gave up on them already: write nothing
                 log.warning("peer %s no longer accepts %s", peer_id, sorted(rejected))
+                self._stats.add(failed_rejected_by_decode=len(rejected))
                 for req_id in rejected:
                     self._ledger.report(req_id, ok=False)
                 step.plan.drop(rejected)
@@ -357,6 +358,7 @@ class ProducerSide:
                     except PeerFailed as exc:
                         step.failed_peers[peer_id] = str(exc)
                 self._notify_failed(peer, req.req_id, step.failed_peers[peer_id])
+                self._stats.add(failed_push=1)
                 self._ledger.report(req.req_id, ok=False, delay=self._config.quarantine_s)
 
     def _notify_failed(self, peer: PeerLink, req_id: str, reason: Optional[str]) -> None:
@@ -380,6 +382,7 @@ class ProducerSide:
             peer = self._peers.get(peer_id)
             if peer is not None and not peer.dead:
                 self._notify_failed(peer, req_id, reason)
+            self._stats.add(failed_aborted=1)
             self._ledger.report(req_id, ok=False)
 
     # ------------------------------------------------------------------ shutdown

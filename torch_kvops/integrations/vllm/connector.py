@@ -10,6 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorRole,
     KVConnectorTransferResults)
 
+from . import metrics
 from .metadata import KvopsConnectorMetadata, KvopsHandshake, KvopsSettings
 from .scheduler import ConsumerScheduler, ProducerScheduler
 from .tp import check_tp, merge_decode_peers
@@ -17,6 +18,8 @@ from .worker import KvopsWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics, KVConnectorStats, PromMetric, PromMetricT)
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -132,6 +135,24 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
         """Worker side: the LayerwiseConnector's counters (bytes, layers, requests
         finished/failed, integrity failures, ...; docs/connector.md)."""
         return self._worker.conn.stats() if self._worker is not None else {}
+
+    # ------------------------------------------------------------------ metrics (metrics.py)
+
+    def get_kv_connector_stats(self) -> Optional["KVConnectorStats"]:
+        if self._worker is not None:
+            return self._worker.connector_stats()
+        return self._scheduler.connector_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> "KVConnectorStats":
+        return metrics.build_stats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig",
+                           metric_types: Dict[type["PromMetric"], type["PromMetricT"]],
+                           labelnames: list, per_engine_labelvalues: Dict[int, list]
+                           ) -> "KVConnectorPromMetrics":
+        return metrics.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

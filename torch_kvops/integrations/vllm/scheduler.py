@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from .metadata import PUSH_MODES, KvopsConnectorMetadata, KvopsSettings, PushReq, RecvReq
+from .metrics import FAILURE_PREFIX, KvopsConnectorStats
 from .side_channel import DestinationPoster, DestinationServer
 
 if TYPE_CHECKING:
@@ -47,6 +48,24 @@ class _Push:
     done: bool = False  # the last chunk was handed to the worker
 
 
+class _FailureCounts:
+    """Scheduler-side failures by cause, handed to vLLM's stats once (metrics.py)."""
+
+    def __init__(self) -> None:
+        self._counts: Dict[str, int] = {}
+
+    def count(self, cause: str, n: int = 1) -> None:
+        self._counts[cause] = self._counts.get(cause, 0) + n
+
+    def take(self) -> Optional[KvopsConnectorStats]:
+        if not self._counts:
+            return None
+        stats = KvopsConnectorStats()
+        stats.data.update({FAILURE_PREFIX + cause: n for cause, n in self._counts.items()})
+        self._counts = {}
+        return stats
+
+
 class ProducerScheduler:
     """P side: waits for each request's destination, then plans per-chunk pushes."""
 
@@ -59,6 +78,7 @@ class ProducerScheduler:
         self._pushes: Dict[str, _Push] = {}
         self._awaiting_free: Set[str] = set()  # finished, blocks held until the push ends
         self.kv_cache_manager: Optional["KVCacheManager"] = None
+        self.failures = _FailureCounts()
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> Tuple[Optional[int], bool]:
@@ -81,8 +101,10 @@ class ProducerScheduler:
                       "prefilling without push", req_id, tid, self.settings.wait_for_decode_s)
             self._waiting.pop(req_id, None)
             self._no_push.add(req_id)
+            self.failures.count("no_destination")
             return 0, False
         self._waiting.pop(req_id, None)
+        log.debug("request %s: destination taken at %.4f", req_id, time.monotonic())
         mode = str(params.get("kvops_push_mode", self.settings.push_mode))
         if mode not in PUSH_MODES:
             raise ValueError(f"request {req_id}: kvops_push_mode must be one of {PUSH_MODES}")
@@ -106,6 +128,7 @@ class ProducerScheduler:
             if last > len(push.dst_blocks) or last > len(src):
                 log.error("request %s: decode side gave %d blocks, %d needed; not pushing",
                           req_id, len(push.dst_blocks), last)
+                self.failures.count("too_few_decode_blocks")
                 push.done = True
                 continue
             push.pushed_tokens = end
@@ -131,6 +154,9 @@ class ProducerScheduler:
     def has_pending_push_work(self) -> bool:
         return bool(self._awaiting_free)
 
+    def connector_stats(self) -> Optional[KvopsConnectorStats]:
+        return self.failures.take()
+
     def shutdown(self) -> None:
         self.server.close()
 
@@ -154,6 +180,7 @@ class ConsumerScheduler:
         # when it was recomputed)
         self._local_prompt: Dict[str, Tuple["Request", int]] = {}
         self.kv_cache_manager: Optional["KVCacheManager"] = None
+        self._post_failures_seen = 0
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> Tuple[int, bool]:
@@ -181,6 +208,7 @@ class ConsumerScheduler:
         if self.peers is None:
             raise RuntimeError("the decode workers sent no handshake (peer_info)")
         tid = str(params["transfer_id"])
+        log.debug("request %s: decode blocks allocated at %.4f", request.request_id, time.monotonic())
         block_ids = list(self.kv_cache_manager.get_block_ids(request.request_id)[0])
         self._posting[tid] = request.request_id
         self._in_flight.add(request.request_id)
@@ -224,6 +252,15 @@ class ConsumerScheduler:
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         self._in_flight -= set(output.finished_recving or ())
+
+    def connector_stats(self) -> Optional[KvopsConnectorStats]:
+        failures = self.poster.failures  # counted by the poster thread
+        if failures == self._post_failures_seen:
+            return None
+        stats = KvopsConnectorStats()
+        stats.data[FAILURE_PREFIX + "post_to_prefill"] = failures - self._post_failures_seen
+        self._post_failures_seen = failures
+        return stats
 
     def shutdown(self) -> None:
         self.poster.close()

@@ -106,6 +106,7 @@ class DestinationServer:
                 log.error("side channel full (%d destinations): refusing %s", self._capacity, tid)
                 return b"full"
             self._dests[tid] = (time.monotonic() + self._ttl_s, dest)
+        log.debug("destination of %s arrived at %.4f", tid, time.monotonic())
         return self._accepted
 
     def close(self, timeout: float = 5.0) -> None:
@@ -175,6 +176,7 @@ class DestinationPoster:
                 if answer.startswith(b"{"):
                     reply = json.loads(answer)
                     if isinstance(reply, dict) and reply.get("ok") is True:
+                        log.debug("posted %s at %.4f", message.get("transfer_id"), time.monotonic())
                         return reply
                 log.error("prefill side at %s refused %s: %s", address,
                           message.get("transfer_id"), answer.decode(errors="replace"))

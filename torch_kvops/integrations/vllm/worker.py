@@ -15,6 +15,7 @@ from ...connector import LayerwiseConnector
 from ...plan import TransferRequest
 from ...transports import MooncakeTransport
 from .metadata import KvopsConnectorMetadata, KvopsSettings
+from .metrics import KvopsConnectorStats, StatsCollector
 from .tp import expected_parts, part_id, plan_parts, rank_heads
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class KvopsWorker:
         self._all_views: List[Tuple[int, torch.Tensor]] = []
         self._step_mode: Optional[str] = None  # push mode of the running step, if any
         self._step_tids: List[str] = []
+        self._step_started = 0.0  # time.monotonic() when the running step was handed over
         self._steps: deque = deque(maxlen=256)  # recent push steps, for recent_steps()
         self._peers: Dict[str, str] = {}  # consumer engine id -> peer id
         # producer: per request id
@@ -96,6 +98,7 @@ class KvopsWorker:
         self._ended_failed: Set[str] = set()
         self._dead_peers: Dict[str, str] = {}  # consumer engine id -> why add_peer failed
         self._failed_recv: Set[str] = set()
+        self.metrics = StatsCollector(role)
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         caches = []
@@ -136,6 +139,7 @@ class KvopsWorker:
             seen = self._parts_seen.setdefault(push.req_id, set())
             for part in self._plan(push):
                 if part is None:  # a decode rank unreachable: that part failed
+                    self.metrics.count("failed_decode_unreachable")
                     continue
                 if part.req_id not in seen:  # an ended part is not waited for again
                     seen.add(part.req_id)
@@ -151,6 +155,7 @@ class KvopsWorker:
             modes.add(push.push_mode)
         if requests:
             log.debug("start_step %s at %.4f", [r.req_id for r in requests], time.monotonic())
+            self._step_started = time.monotonic()
             self.conn.start_step(requests)
             # one mode per step: a step holding any after-forward request pushes after
             # the forward (a per-request split would need two steps' worth of pushes)
@@ -244,14 +249,21 @@ class KvopsWorker:
             self.conn.wait_for_save(timeout=self.settings.step_timeout_s)
         finally:
             t1 = time.perf_counter()
+            log.debug("step %s: forward done %.4f, pushes landed %.4f", self._step_tids,
+                      time.monotonic() - (t1 - t0), time.monotonic())
             trace = self.conn.last_step_trace()
             last = max(trace, key=lambda t: t["landed"]) if trace else None
             self._steps.append({
                 "transfer_ids": self._step_tids, "push_mode": self._step_mode,
+                "started_at": self._step_started,
                 # what the engine waited for after its forward: the transfer not hidden
                 "exposed_after_forward_s": t1 - t0,
                 "last_layer_transfer_s": (last["landed"] - last["event_ready"]) if last else None,
+                # first layer's KV ready -> last layer landed: the whole transfer when
+                # pushed after the forward
+                "push_span_s": (last["landed"] - min(t["event_ready"] for t in trace)) if last else None,
                 "layers_pushed": len(trace)})
+            self.metrics.on_step(trace, t1 - t0)
             self._step_mode = None
 
     def recent_steps(self, transfer_id: Optional[str] = None) -> List[dict]:
@@ -263,6 +275,8 @@ class KvopsWorker:
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Set[str], Set[str], Set[str]]:
         """(finished_sending, finished_recving, failed_recving) as vLLM request ids."""
         done, failed = self.conn.get_finished()
+        if done or failed:
+            self.metrics.touch()
         if self.role == "consumer":
             recving, bad = self._ended_ok | self._ended_failed, set(self._ended_failed)
             self._ended_ok, self._ended_failed = set(), set()
@@ -317,6 +331,10 @@ class KvopsWorker:
         self._last_started -= sending
         self._known -= sending
         return sending, set(), set()
+
+    def connector_stats(self) -> Optional[KvopsConnectorStats]:
+        """This interval's metrics (None if nothing happened): metrics.py."""
+        return self.metrics.take(self.conn.stats)
 
     def close(self) -> None:
         try:
