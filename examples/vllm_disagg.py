@@ -262,6 +262,17 @@ class Engine:
         self.proc.join(30)
 
 
+def stop_engines(engines: "List[Engine]") -> List[str]:
+    """Stop every engine (each is tried even if another fails); the problems met."""
+    problems = []
+    for engine in engines:
+        try:
+            engine.stop()
+        except (RuntimeError, OSError) as exc:
+            problems.append(f"{engine.name}: {exc}")
+    return problems
+
+
 def tensor_parallel(size: int) -> dict:
     """Engine arguments for ``size`` tensor-parallel ranks (worker processes when > 1)."""
     return {} if size == 1 else {"tensor_parallel_size": size, "distributed_executor_backend": "mp"}
@@ -588,12 +599,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         if args.metrics:  # after the kill: D counts the failure it saw
             result["metrics"]["D"] = engines["D"].metrics()
     finally:
-        problems = []
-        for name, eng in engines.items():
-            try:
-                eng.stop()
-            except (RuntimeError, OSError) as exc:
-                problems.append(f"{name}: {exc}")
+        problems = stop_engines(list(engines.values()))
         tmp.cleanup()
         if problems:
             print("[stop] " + "; ".join(problems), file=sys.stderr)

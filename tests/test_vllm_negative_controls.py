@@ -67,12 +67,7 @@ def engines():
         prompts = [[rng.randrange(3, 1024) for _ in range(n)] for n in PROMPT_LENS]
         yield Harness(started, f"127.0.0.1:{port}", control, prompts)
     finally:
-        problems = []
-        for engine in started.values():
-            try:
-                engine.stop()
-            except (RuntimeError, OSError) as exc:
-                problems.append(f"{engine.name}: {exc}")
+        problems = vllm_disagg.stop_engines(list(started.values()))
         os.environ.pop("KVOPS_SABOTAGE_FILE", None)
         tmp.cleanup()
         assert not problems, problems

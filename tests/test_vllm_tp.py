@@ -64,12 +64,7 @@ def cluster():
             c.push(p, d, 0)
         yield c
     finally:
-        problems = []
-        for engine in engines.values():
-            try:
-                engine.stop()
-            except (RuntimeError, OSError) as exc:
-                problems.append(f"{engine.name}: {exc}")
+        problems = vllm_disagg.stop_engines(list(engines.values()))
         tmp.cleanup()
         assert not problems, problems
 
