@@ -262,7 +262,17 @@ class TinyModel(torch.nn.Module):
         return x
 
 
-def test_compiled_model_forward_pushes_the_same_bytes_as_eager(consumer, producer):
+@pytest.fixture
+def patient_consumer():
+    """A consumer whose lease outlasts a first torch.compile on a loaded machine (the
+    request is begun before the compiled forward runs)."""
+    proc = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **dict(FAST, lease_s=180.0))
+    yield proc
+    proc.stop()
+
+
+def test_compiled_model_forward_pushes_the_same_bytes_as_eager(patient_consumer, producer):
+    consumer = patient_consumer
     conn, caches = producer
     peer = conn.add_peer(consumer.info)
     model = TinyModel(conn, caches)
