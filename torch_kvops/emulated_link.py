@@ -302,7 +302,9 @@ class EmulatedLink:
         def leave(signum, _frame):
             raise SystemExit(128 + signum)
 
-        for sig in (signal.SIGTERM, signal.SIGHUP):
+        # SIGINT too: a process started in the background by a non-interactive shell
+        # inherits it ignored, and would then never leave (nor remove the namespace)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             self._old_handlers[sig] = signal.signal(sig, leave)
 
     def _restore_signal_handlers(self) -> None:
