@@ -92,6 +92,7 @@ def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
     # block ids of recent requests (as of their last step), for "kv": the blocks of a
     # finished request keep their bytes until another request reuses them
     blocks_of: "OrderedDict[str, List[int]]" = OrderedDict()
+    preemptions: Dict[str, int] = {}  # times the scheduler preempted a running request
     drain_deadline: Optional[float] = None
     idle_sleep = IDLE_SLEEP_MIN_S
     try:
@@ -140,6 +141,8 @@ def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
                 if ids:
                     # vLLM appends "-" and 8 random characters to the id it was given
                     blocks_of[request.request_id[:-9]] = list(ids)
+                if request.num_preemptions:
+                    preemptions[request.request_id[:-9]] = request.num_preemptions
             while len(blocks_of) > 64:
                 blocks_of.popitem(last=False)
             step_started = time.monotonic()
@@ -156,6 +159,7 @@ def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
                         "kv_transfer_params": out.kv_transfer_params,
                         "prompt_len": len(out.prompt_token_ids or []),
                         "finish_reason": out.outputs[0].finish_reason,
+                        "num_preemptions": preemptions.pop(out.request_id, 0),
                         # rank 0's push steps (prefill side)
                         "kvops_steps": engine.collective_rpc(probes.worker_steps,
                                                              args=(out.request_id,))[0]}))
