@@ -353,6 +353,41 @@ def test_consumer_refuses_a_request_it_already_gave_up_on(producer):
         proc.stop()
 
 
+@pytest.mark.parametrize("integrity", [False, True], ids=["plain", "integrity"])
+def test_a_request_aborted_part_way_reports_its_landed_chunks_to_the_consumer(producer, integrity):
+    """Two chunks land, then the producer's engine drops the request: the consumer hears
+    it at once (not at lease expiry) and knows which blocks are whole, in order; with
+    the integrity check on, unverified chunks are not vouched for."""
+    conn, caches = producer
+    proc = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **dict(FAST, lease_s=60.0,
+                                                               integrity_check=integrity))
+    try:
+        peer = conn.add_peer(proc.info)
+        for src, dst, seed in (([0, 1, 2], [10, 11, 12], 1), ([2, 3], [12, 13], 2)):
+            conn.start_step([TransferRequest("cut", peer, src, dst, last_chunk=False)])
+            forward(conn, caches, src, seed=seed)
+            conn.wait_for_save(timeout=30)
+        assert not conn.abort("never-started"), "only in-flight requests can be aborted"
+        started = time.monotonic()
+        assert conn.abort("cut", "dropped by the engine")
+        _, failed, _ = proc.call("wait", ["cut"], 10.0)
+        assert failed == {"cut"} and time.monotonic() - started < 5.0, "the consumer must not wait for its lease"
+        landed = proc.call("landed")["cut"]
+        if integrity:
+            assert landed == []
+        else:
+            assert landed == [[10, 11, 12], [12, 13]]
+            received = proc.call("caches")
+            for src, dst in ((0, 10), (1, 11), (2, 12), (3, 13)):
+                for layer in range(LAYERS):
+                    assert np.array_equal(received[layer][dst], caches[layer][src].numpy())
+        _, producer_failed = conn.get_finished()
+        assert producer_failed == {"cut"}
+        assert not conn.abort("cut"), "an outcome is decided once"
+    finally:
+        proc.stop()
+
+
 def test_a_bad_control_message_drops_only_its_connection(consumer, producer):
     import json
     import socket

@@ -188,7 +188,7 @@ def test_decode_scheduler_claims_the_prompt_posts_its_blocks_and_counts_local_to
     from torch_kvops.integrations.vllm.scheduler import ConsumerScheduler
 
     server = DestinationServer("127.0.0.1", 0, facts={"prefill_tp": 2})
-    sched = ConsumerScheduler(KvopsSettings())
+    sched = ConsumerScheduler(KvopsSettings(), block_size=32)
     try:
         sched.peers = [{"engine_id": "d0"}, {"engine_id": "d1"}]
         sched.kv_cache_manager = _Blocks({"r": [7, 8, 9, 3]})

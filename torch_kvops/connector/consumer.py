@@ -42,6 +42,7 @@ class _Incoming:
     chunks: int = 0
     bytes: int = 0
     digests: Dict[int, str] = field(default_factory=dict)  # latest digest per block (integrity)
+    landed: List[List[int]] = field(default_factory=list)  # per chunk landed, its blocks
     verifying: bool = False  # every byte landed; the verifier thread decides its outcome
 
 
@@ -190,7 +191,7 @@ class ConsumerSide:
                 return
             entry.chunks += 1
             entry.bytes += int(message.get("bytes", 0))
-            problem = self._note_digests(entry, message)
+            problem = self._note_landed(entry, message) or self._note_digests(entry, message)
             if problem is not None:
                 self._fail_integrity_locked(req_id, problem)
                 return
@@ -214,6 +215,20 @@ class ConsumerSide:
                 self._fail_integrity_locked(req_id, problem)
             else:
                 self._end_locked(req_id, ok=True)
+
+    def _note_landed(self, entry: _Incoming, message: dict) -> Optional[str]:
+        """Keep the blocks a chunk notice says landed (every layer of them), so that a
+        request that fails later reports what is usable (landed_chunks)."""
+        if "dst" not in message:
+            return None
+        try:
+            blocks = _block_list(message["dst"])
+        except (TypeError, ValueError):
+            return "malformed chunk notice"
+        if not set(blocks) <= entry.blocks:
+            return "a chunk notice names blocks the request's begin did not name"
+        entry.landed.append(blocks)
+        return None
 
     def _note_digests(self, entry: _Incoming, message: dict) -> Optional[str]:
         """Keep a chunk notice's block digests; the reason to fail the request if they
@@ -239,17 +254,23 @@ class ConsumerSide:
     def _fail_integrity_locked(self, req_id: str, reason: str) -> None:
         self._stats.add(integrity_failures=1)
         log.error("request %s failed the integrity check: %s", req_id, reason)
-        self._end_locked(req_id, ok=False)
+        # no landed chunk is vouched for: the bytes or the notices are not what was sent
+        self._end_locked(req_id, ok=False, trust_landed=False)
 
-    def _end_locked(self, req_id: str, ok: bool) -> None:
-        """Under the ledger lock: report the request once and forget its blocks."""
+    def _end_locked(self, req_id: str, ok: bool, trust_landed: bool = True) -> None:
+        """Under the ledger lock: report the request once and forget its blocks. A
+        failed request keeps the list of chunks that landed whole (landed_chunks)."""
         entry = self._incoming.pop(req_id)
         if entry.owner is not None:
             owned = self._owned_blocks.get(entry.owner, {})
             for block in entry.blocks:
                 if owned.get(block) == req_id:
                     del owned[block]
-        self._ledger.record_locked(req_id, ok=ok)
+        # With the integrity check on, bytes count only once verified, and verification
+        # runs when the last chunk landed: a failed request's chunks are unverified.
+        if self._config.integrity_check or entry.digests:
+            trust_landed = False
+        self._ledger.record_locked(req_id, ok=ok, landed=entry.landed if trust_landed else None)
 
     def _on_producer_gone(self, session: Session) -> None:
         """A connection that ends is a failed peer: its producer fails what it began

@@ -157,6 +157,14 @@ class LayerwiseConnector:
         self._require("producer", registered=True)
         self._side.wait_for_save(timeout)
 
+    def abort(self, req_id: str, reason: str = "aborted by the engine") -> bool:
+        """Producer, between steps: report an in-flight request failed (its consumer is
+        told at once) because its remaining chunks will never be sent, e.g. the engine
+        dropped the request mid-prefill. Returns False if it was not in flight (never
+        started, or its outcome is already decided: that outcome stands)."""
+        self._require("producer", registered=True)
+        return self._side.abort(req_id, reason)
+
     # ------------------------------------------------------------------ consumer
 
     def expect(self, req_id: str, lease_s: Optional[float] = None) -> None:
@@ -176,6 +184,15 @@ class LayerwiseConnector:
         if self._ledger is None:
             return set(), set()
         return self._ledger.drain()
+
+    def landed_chunks(self, req_id: str) -> List[List[int]]:
+        """Consumer: of a request the last :meth:`get_finished` reported failed, the
+        destination blocks of each chunk whose every layer landed before the failure,
+        in order (empty: nothing usable). A block cut by a chunk boundary is whole only
+        once the next chunk landed. Nothing is vouched for after an integrity failure or
+        with the integrity check on (bytes count once verified, at the last chunk)."""
+        self._require("consumer", registered=True)
+        return self._ledger.landed_chunks(req_id)
 
     def last_step_trace(self) -> List[dict]:
         """Per layer of the last step, ``time.perf_counter()`` seconds (CLOCK_MONOTONIC):

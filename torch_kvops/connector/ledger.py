@@ -64,6 +64,10 @@ class RequestLedger:
         self._failed: Set[str] = set()
         self._delayed: List[Tuple[float, str, bool]] = []  # (due, req_id, ok): quarantined
         self._reported: "OrderedDict[str, bool]" = OrderedDict()  # req_id -> ok
+        # consumer: failed requests -> destination blocks of each chunk that landed
+        # whole, until drained; then kept for landed_chunks() until the next drain
+        self._landed_pending: Dict[str, List[List[int]]] = {}
+        self._landed: Dict[str, List[List[int]]] = {}
 
     def report(self, req_id: str, ok: bool, delay: float = 0.0) -> None:
         """Producer: end an in-flight request (no-op if it already ended). With a
@@ -77,9 +81,14 @@ class RequestLedger:
             else:
                 self.record_locked(req_id, ok)
 
-    def record_locked(self, req_id: str, ok: bool) -> None:
-        """Under ``lock``: queue the id for :meth:`drain`, remember it was reported."""
+    def record_locked(self, req_id: str, ok: bool,
+                      landed: Optional[List[List[int]]] = None) -> None:
+        """Under ``lock``: queue the id for :meth:`drain`, remember it was reported.
+        ``landed``: of a failed request, the destination blocks of each chunk that
+        landed whole before it failed (consumer; :meth:`landed_chunks`)."""
         (self._finished if ok else self._failed).add(req_id)
+        if not ok and landed:
+            self._landed_pending[req_id] = landed
         self._remember_locked(req_id, ok)
         self._stats.add(**{"requests_finished" if ok else "requests_failed": 1})
 
@@ -105,7 +114,14 @@ class RequestLedger:
             self._delayed = [d for d in self._delayed if d[0] > now]
             finished, failed = self._finished, self._failed
             self._finished, self._failed = set(), set()
+            self._landed = {r: self._landed_pending.pop(r) for r in failed if r in self._landed_pending}
         return finished, failed
+
+    def landed_chunks(self, req_id: str) -> List[List[int]]:
+        """Of a request the last :meth:`drain` reported failed: the destination blocks
+        of each of its chunks that landed whole, in the order they landed."""
+        with self.lock:
+            return list(self._landed.get(req_id, ()))
 
     def release_delayed(self) -> None:
         """On close: report quarantined outcomes now (nobody will wait for them)."""

@@ -345,8 +345,9 @@ class ProducerSide:
             for req, src, dst in entries:
                 if peer_id not in step.failed_peers:
                     try:
+                        # dst: what landed, so a request that fails later can keep it
                         notice = {"op": "chunk", "req": req.req_id, "last": req.last_chunk,
-                                  "bytes": int(src.size) * bytes_per_block}
+                                  "bytes": int(src.size) * bytes_per_block, "dst": dst.tolist()}
                         if peer_id in step.digests:
                             notice["digests"] = step.digests[peer_id].for_request(req.req_id, dst)
                         peer.send(notice)
@@ -375,15 +376,32 @@ class ProducerSide:
             step.failed_peers.setdefault(peer_id, reason)
         self._finish_step(step)
 
+    def abort(self, req_id: str, reason: str) -> bool:
+        """Engine thread, between steps: fail an in-flight request whose remaining
+        chunks will never be sent (the engine dropped it), telling its consumer now
+        rather than at lease expiry. False if it is not in flight (never started, or
+        its outcome is decided already)."""
+        if self._current is not None and not self._current.done.is_set():
+            raise RuntimeError("abort while a step is sending: call wait_for_save() first")
+        return self._abort(req_id, reason)
+
+    def _abort(self, req_id: str, reason: str) -> bool:
+        with self._ledger.lock:
+            peer_id = self._ledger.in_flight.get(req_id)
+            peer = self._peers.get(peer_id) if peer_id is not None else None
+        if peer_id is None:
+            return False
+        if peer is not None and not peer.dead:
+            self._notify_failed(peer, req_id, reason)
+        self._stats.add(failed_aborted=1)
+        self._ledger.report(req_id, ok=False)
+        return True
+
     def _fail_all_in_flight(self, reason: str) -> None:
         with self._ledger.lock:
-            pending = list(self._ledger.in_flight.items())
-        for req_id, peer_id in pending:
-            peer = self._peers.get(peer_id)
-            if peer is not None and not peer.dead:
-                self._notify_failed(peer, req_id, reason)
-            self._stats.add(failed_aborted=1)
-            self._ledger.report(req_id, ok=False)
+            pending = list(self._ledger.in_flight)
+        for req_id in pending:
+            self._abort(req_id, reason)
 
     # ------------------------------------------------------------------ shutdown
 

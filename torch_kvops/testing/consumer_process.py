@@ -34,6 +34,8 @@ def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, tran
         for req_id in req_ids:
             connector.expect(req_id)
 
+    landed = {}  # failed request -> its landed chunks (connector.landed_chunks)
+
     def wait(req_ids, timeout):
         wanted, finished, failed, times = set(req_ids), set(), set(), {}
         deadline = time.monotonic() + timeout
@@ -41,6 +43,7 @@ def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, tran
             done, bad = connector.get_finished()
             for r in done | bad:
                 times[r] = time.time()
+            landed.update((r, connector.landed_chunks(r)) for r in bad)
             finished |= done
             failed |= bad
             time.sleep(0.002)
@@ -49,6 +52,7 @@ def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, tran
     def drain():
         # Lists, not the sets wait() accumulates: a test counts how often an id came.
         finished, failed = connector.get_finished()
+        landed.update((r, connector.landed_chunks(r)) for r in failed)
         return sorted(finished), sorted(failed)
 
     def close():
@@ -56,7 +60,7 @@ def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, tran
         transport.close()
 
     serve(pipe, {"expect": expect, "wait": wait, "drain": drain, "stats": connector.stats,
-                 "resources": process_resources,
+                 "resources": process_resources, "landed": lambda: dict(landed),
                  "caches": lambda: [c.cpu().numpy().copy() for c in caches]}, close)
 
 

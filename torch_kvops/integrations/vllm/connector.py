@@ -63,7 +63,7 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             block_size = vllm_config.cache_config.block_size
             self._scheduler = (ProducerScheduler(self.settings, block_size, parallel.tensor_parallel_size)
-                               if self.kv_role == "producer" else ConsumerScheduler(self.settings))
+                               if self.kv_role == "producer" else ConsumerScheduler(self.settings, block_size))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -77,6 +77,14 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
         if not isinstance(self._scheduler, ProducerScheduler):
             raise RuntimeError("only the prefill (kv_producer) scheduler has a side channel")
         return self._scheduler.server.address
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Prefill: a preempted request's in-flight output is dropped and the request
+        computed again, and its pushes start again with that recompute (scheduler.py).
+        No ``handle_preemptions`` is needed: a step's pushes end before the step does,
+        so none reads the blocks a preemption frees."""
+        return self.kv_role == "producer"
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
@@ -124,6 +132,12 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
         sending, recving, failed = self._worker.get_finished(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        """Decode: blocks a transfer that failed part-way did not fill; the request was
+        reported received in the same step, and vLLM recomputes from the first of these
+        (with ``kv_load_failure_policy="recompute"``)."""
+        return self._worker.get_block_ids_with_load_errors() if self.kv_role == "consumer" else set()
 
     def recent_steps(self, transfer_id: Optional[str] = None) -> list:
         """Worker side, prefill: per recent push step, the time the engine waited after

@@ -74,12 +74,14 @@ class PushReq:
 
 @dataclass
 class RecvReq:
-    """Consumer: blocks of ``req_id`` will be pushed under ``transfer_id`` by a prefill
-    engine of ``prefill_tp`` ranks (0: its destination could not be posted, fail it)."""
+    """Consumer: ``block_ids`` of ``req_id`` will be pushed under ``transfer_id`` by a
+    prefill engine of ``prefill_tp`` ranks (0: its destination could not be posted, fail
+    it); those not filled by a failed transfer are reported as load errors."""
 
     req_id: str
     transfer_id: str
     prefill_tp: int
+    block_ids: List[int] = field(default_factory=list)
 
 
 class KvopsConnectorMetadata(KVConnectorMetadata):

@@ -171,6 +171,13 @@ class KvopsPromMetrics(KVConnectorPromMetrics):
         "staging_wait_s": ("vllm:kvops_staging_wait_seconds", "Time spent waiting for staging slots."),
         "integrity_failures": ("vllm:kvops_integrity_failures",
                                "Chunks refused by the integrity check (0 without the check)."),
+        "preempted_repushes": ("vllm:kvops_preempted_repushes",
+                               "Prefill requests preempted mid-push whose pushes restart with "
+                               "their recompute."),
+        "partial_loads": ("vllm:kvops_partial_loads",
+                          "Transfers that failed part-way whose landed prefix was kept (decode)."),
+        "load_error_blocks": ("vllm:kvops_load_error_blocks",
+                              "Blocks reported to vLLM as not loaded, recomputed (decode)."),
     }
     _HISTOGRAMS = {
         "layer_transfer_s": ("vllm:kvops_layer_transfer_seconds",

@@ -10,6 +10,13 @@ per-rank peer_info}`` to P's side channel, which answers with P's tensor-paralle
 destination arrived (``get_num_new_matched_tokens`` answers None, so the scheduler
 asks again next step without blocking), at most ``wait_for_decode_s``; then every
 prefill chunk pushes the blocks it wrote into D's blocks at the same positions.
+
+Preemption (P): the scheduler frees a preempted request's blocks and computes it again
+later; its pushes start again from D's first block with that recompute, so D ends with
+the KV of the pass that completed the prompt. Every chunk pushed before the preemption
+had landed (a step's pushes end before the step does), and the transfer stays open on
+D meanwhile (its lease bounds the wait: if it expires, D keeps what landed, recomputes
+the rest, and P's later chunks are refused, so each side still reports it once).
 """
 from __future__ import annotations
 
@@ -42,26 +49,31 @@ class _Push:
     transfer_id: str
     dst_blocks: List[int]
     peers: List[dict]
-    pushed_tokens: int  # tokens before this were pushed already (or cached on D)
+    start_token: int  # tokens before this are D's local prefix-cache hits: never pushed
+    pushed_tokens: int  # tokens before this were pushed already
     push_mode: str
     emitted: bool = False  # some chunk was handed to the worker
     done: bool = False  # the last chunk was handed to the worker
 
 
-class _FailureCounts:
-    """Scheduler-side failures by cause, handed to vLLM's stats once (metrics.py)."""
+class _SchedulerCounts:
+    """Scheduler-side events (failures by cause, re-pushes after a preemption), handed
+    to vLLM's stats once (metrics.py)."""
 
     def __init__(self) -> None:
         self._counts: Dict[str, int] = {}
 
-    def count(self, cause: str, n: int = 1) -> None:
-        self._counts[cause] = self._counts.get(cause, 0) + n
+    def failure(self, cause: str) -> None:
+        self.count(FAILURE_PREFIX + cause)
+
+    def count(self, key: str, n: int = 1) -> None:
+        self._counts[key] = self._counts.get(key, 0) + n
 
     def take(self) -> Optional[KvopsConnectorStats]:
         if not self._counts:
             return None
         stats = KvopsConnectorStats()
-        stats.data.update({FAILURE_PREFIX + cause: n for cause, n in self._counts.items()})
+        stats.data.update(self._counts)
         self._counts = {}
         return stats
 
@@ -78,7 +90,7 @@ class ProducerScheduler:
         self._pushes: Dict[str, _Push] = {}
         self._awaiting_free: Set[str] = set()  # finished, blocks held until the push ends
         self.kv_cache_manager: Optional["KVCacheManager"] = None
-        self.failures = _FailureCounts()
+        self.counts = _SchedulerCounts()
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> Tuple[Optional[int], bool]:
@@ -101,18 +113,25 @@ class ProducerScheduler:
                       "prefilling without push", req_id, tid, self.settings.wait_for_decode_s)
             self._waiting.pop(req_id, None)
             self._no_push.add(req_id)
-            self.failures.count("no_destination")
+            self.counts.failure("no_destination")
             return 0, False
         self._waiting.pop(req_id, None)
         log.debug("request %s: destination taken at %.4f", req_id, time.monotonic())
         mode = str(params.get("kvops_push_mode", self.settings.push_mode))
         if mode not in PUSH_MODES:
             raise ValueError(f"request {req_id}: kvops_push_mode must be one of {PUSH_MODES}")
-        self._pushes[req_id] = _Push(request, tid, dest["block_ids"], dest["peers"],
-                                     pushed_tokens=dest["start_token"], push_mode=mode)
+        start = int(dest["start_token"])
+        self._pushes[req_id] = _Push(request, tid, dest["block_ids"], dest["peers"], start_token=start,
+                                     pushed_tokens=start, push_mode=mode)
         return 0, False
 
     def build_connector_meta(self, out: "SchedulerOutput", meta: KvopsConnectorMetadata) -> None:
+        for req_id in out.preempted_req_ids or ():
+            push = self._pushes.get(req_id)
+            if push is not None and not push.done:
+                # its blocks are freed; the recompute pushes the prompt again from the start
+                push.pushed_tokens = push.start_token
+                self.counts.count("preempted_repushes")
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             push = self._pushes.get(req_id)
             if push is None or push.done:
@@ -128,7 +147,7 @@ class ProducerScheduler:
             if last > len(push.dst_blocks) or last > len(src):
                 log.error("request %s: decode side gave %d blocks, %d needed; not pushing",
                           req_id, len(push.dst_blocks), last)
-                self.failures.count("too_few_decode_blocks")
+                self.counts.failure("too_few_decode_blocks")
                 push.done = True
                 continue
             push.pushed_tokens = end
@@ -155,7 +174,7 @@ class ProducerScheduler:
         return bool(self._awaiting_free)
 
     def connector_stats(self) -> Optional[KvopsConnectorStats]:
-        return self.failures.take()
+        return self.counts.take()
 
     def shutdown(self) -> None:
         self.server.close()
@@ -165,13 +184,13 @@ class ConsumerScheduler:
     """D side: claims the prompt as an asynchronous external hit, allocates, and posts
     the destination to the request's prefill side."""
 
-    def __init__(self, settings: KvopsSettings) -> None:
-        self.settings = settings
+    def __init__(self, settings: KvopsSettings, block_size: int) -> None:
+        self.settings, self.block_size = settings, block_size
         self.poster = DestinationPoster(self._posted, settings.post_timeout_s, settings.post_retries)
         self.peers: Optional[List[dict]] = None  # per-rank peer_info, from the workers' handshakes
-        # transfer id -> request id, until P answered the post (the poster thread
-        # appends answers to _answers; the engine thread turns them into RecvReqs)
-        self._posting: Dict[str, str] = {}
+        # transfer id -> (request id, the blocks P fills), until P answered the post (the
+        # poster thread appends answers to _answers; the engine thread makes RecvReqs)
+        self._posting: Dict[str, Tuple[str, List[int]]] = {}
         self._answers: "deque[Tuple[str, int]]" = deque()
         self._new: List[RecvReq] = []
         self._in_flight: Set[str] = set()  # P may still write into these requests' blocks
@@ -210,12 +229,12 @@ class ConsumerScheduler:
         tid = str(params["transfer_id"])
         log.debug("request %s: decode blocks allocated at %.4f", request.request_id, time.monotonic())
         block_ids = list(self.kv_cache_manager.get_block_ids(request.request_id)[0])
-        self._posting[tid] = request.request_id
+        # tokens before this are local prefix-cache hits on D: P need not push them
+        start_token = request.num_prompt_tokens - num_external_tokens
+        self._posting[tid] = (request.request_id, block_ids[start_token // self.block_size:])
         self._in_flight.add(request.request_id)
         self.poster.post(str(params["kvops_producer"]), {
-            "transfer_id": tid, "block_ids": block_ids,
-            # tokens before this are local prefix-cache hits on D: P need not push them
-            "start_token": request.num_prompt_tokens - num_external_tokens,
+            "transfer_id": tid, "block_ids": block_ids, "start_token": start_token,
             "peers": self.peers})
         self._local_prompt[request.request_id] = (request, 0)
 
@@ -232,9 +251,9 @@ class ConsumerScheduler:
     def build_connector_meta(self, out: "SchedulerOutput", meta: KvopsConnectorMetadata) -> None:
         while self._answers:
             tid, prefill_tp = self._answers.popleft()
-            req_id = self._posting.pop(tid, None)
-            if req_id is not None:
-                self._new.append(RecvReq(req_id, tid, prefill_tp))
+            posted = self._posting.pop(tid, None)
+            if posted is not None:
+                self._new.append(RecvReq(posted[0], tid, prefill_tp, posted[1]))
         meta.recv, self._new = self._new, []
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             entry = self._local_prompt.get(req_id)

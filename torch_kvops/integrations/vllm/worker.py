@@ -91,6 +91,11 @@ class KvopsWorker:
         self._recv_tid_to_req: Dict[str, str] = {}  # part id -> request id
         self._recv_left: Dict[str, Set[str]] = {}  # request id -> parts not yet ended
         self._recv_bad: Set[str] = set()  # requests with a failed part
+        self._recv_blocks: Dict[str, List[int]] = {}  # request id -> the blocks P fills
+        # request id -> blocks every failed part of it filled (absent: no part failed)
+        self._recv_valid: Dict[str, Set[int]] = {}
+        self._part_valid: "OrderedDict[str, Set[int]]" = OrderedDict()  # failed early part -> ...
+        self._load_errors: Set[int] = set()  # blocks to report as not loaded (partial failure)
         # transfers that ended before their request reached this worker (P was faster
         # than this engine's step): tid -> ok, matched in begin_step
         self._early: "OrderedDict[str, bool]" = OrderedDict()
@@ -130,7 +135,7 @@ class KvopsWorker:
     def begin_step(self, meta: KvopsConnectorMetadata) -> None:
         if self.role == "consumer":
             for recv in meta.recv:
-                self._expect(recv.req_id, recv.transfer_id, recv.prefill_tp)
+                self._expect(recv.req_id, recv.transfer_id, recv.prefill_tp, recv.block_ids)
             return
         requests, modes = [], set()
         for push in meta.push:
@@ -187,12 +192,13 @@ class KvopsWorker:
                                        peer, src, dst, last_chunk=push.last_chunk))
         return out
 
-    def _expect(self, req_id: str, transfer_id: str, prefill_tp: int) -> None:
+    def _expect(self, req_id: str, transfer_id: str, prefill_tp: int, block_ids: List[int]) -> None:
         """Consumer: wait for the parts of ``transfer_id`` this rank receives (tp.py)."""
         if prefill_tp <= 0:  # the destination never reached P: nothing will come
             log.warning("request %s: its destination was not accepted by the prefill side", req_id)
             self._ended_failed.add(req_id)
             return
+        self._recv_blocks[req_id] = list(block_ids)
         if self._by_head:
             parts = expected_parts(transfer_id, self.total_kv_heads, prefill_tp, self.tp_size,
                                    self.tp_rank)
@@ -206,16 +212,55 @@ class KvopsWorker:
                 self._recv_tid_to_req[part] = req_id
                 self.conn.expect(part)
             elif not early:
-                self._recv_bad.add(req_id)
+                self._part_failed(req_id, self._part_valid.pop(part, set()))
         log.debug("expecting %s (%s) at %.4f", transfer_id, parts, time.monotonic())
         if not left:
             self._recv_ended(req_id)
 
+    def _part_failed(self, req_id: str, valid: Set[int]) -> None:
+        """A part of the request failed, having filled ``valid`` blocks before."""
+        self._recv_bad.add(req_id)
+        known = self._recv_valid.get(req_id)
+        self._recv_valid[req_id] = valid if known is None else known & valid
+
+    def _valid_blocks(self, landed: List[List[int]]) -> Set[int]:
+        """Blocks a failed part filled completely: those of the chunks that landed, but
+        the last block of the last one, which a chunk boundary may have cut (the next
+        chunk would have pushed it again whole)."""
+        if not landed:
+            return set()
+        per_block = len(self.heads) if self._by_head else 1  # units are heads of blocks
+        valid = {unit // per_block for chunk in landed for unit in chunk}
+        valid.discard(landed[-1][-1] // per_block)
+        return valid
+
     def _recv_ended(self, req_id: str) -> None:
-        """Every part of the request ended here: report it once (failed if any part did)."""
+        """Every part of the request ended here: report it once. If a part failed after
+        some of its chunks landed, the request is reported received with the blocks not
+        filled as load errors (vLLM keeps the prefix before the first of them and
+        recomputes the rest); if nothing usable landed, it is reported failed."""
         del self._recv_left[req_id]
-        (self._ended_failed if req_id in self._recv_bad else self._ended_ok).add(req_id)
+        blocks = self._recv_blocks.pop(req_id, [])
+        valid = self._recv_valid.pop(req_id, None)
+        if req_id not in self._recv_bad:
+            self._ended_ok.add(req_id)
+            return
         self._recv_bad.discard(req_id)
+        missing = [b for b in blocks if b not in valid]
+        if blocks and len(missing) < len(blocks):
+            self._load_errors.update(missing)
+            self.metrics.count("partial_loads")
+            self.metrics.count("load_error_blocks", len(missing))
+            self._ended_ok.add(req_id)
+        else:
+            self._ended_failed.add(req_id)
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        """Consumer: blocks of requests reported received in this step's
+        get_finished that a failed transfer did not fill (vLLM recomputes from the
+        first of them)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def _peer(self, info: dict) -> Optional[str]:
         """The peer id of a decode instance, connecting on first use; None if it cannot
@@ -283,16 +328,20 @@ class KvopsWorker:
             self._ended_ok, self._ended_failed = set(), set()
             for tid in done | failed:
                 req_id = self._recv_tid_to_req.pop(tid, None)
+                valid = self._valid_blocks(self.conn.landed_chunks(tid)) if tid in failed else None
                 if req_id is None:
                     self._early[tid] = tid in done
+                    if valid is not None:
+                        self._part_valid[tid] = valid
                     if len(self._early) > 10_000:  # a transfer no request here ever claims
                         dropped, _ = self._early.popitem(last=False)
+                        self._part_valid.pop(dropped, None)
                         log.warning("transfer %s ended but no request here claimed it", dropped)
                     continue
                 log.debug("transfer %s landed (%s) at %.4f", tid, "ok" if tid in done else "failed",
                           time.monotonic())
-                if tid in failed:
-                    self._recv_bad.add(req_id)
+                if valid is not None:
+                    self._part_failed(req_id, valid)
                 left = self._recv_left[req_id]
                 left.discard(tid)
                 if not left:
@@ -316,6 +365,8 @@ class KvopsWorker:
         now = time.monotonic()
         for req_id in set(finished_req_ids) & self._known:
             self._sched_finished.setdefault(req_id, now)
+            if req_id not in self._last_started:
+                self._abort_parts(req_id)
         # Blocks may be freed once the scheduler finished the request and no push can
         # still read them: the producer reported it, or its last chunk was never started
         # (aborted mid-prefill: every started step already returned; a write of it that
@@ -332,6 +383,20 @@ class KvopsWorker:
         self._last_started -= sending
         self._known -= sending
         return sending, set(), set()
+
+    def _abort_parts(self, req_id: str) -> None:
+        """Producer: the scheduler finished the request before its last chunk (aborted,
+        e.g. while preempted): its decode ranks learn now, not at lease expiry. No step
+        is sending (get_finished runs after wait_for_save), so an aborted part reads
+        none of the blocks the scheduler frees."""
+        parts = self._parts.get(req_id)
+        for tid in list(parts or ()):
+            if self.conn.abort(tid, "the prefill engine finished the request before its last chunk"):
+                parts.discard(tid)
+                self._tid_to_req.pop(tid, None)
+        if parts is not None and not parts:
+            del self._parts[req_id]
+            self._outcome.add(req_id)
 
     def connector_stats(self) -> Optional[KvopsConnectorStats]:
         """This interval's metrics (None if nothing happened): metrics.py."""
