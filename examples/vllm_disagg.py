@@ -122,6 +122,10 @@ def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
                 if cmd == "worker_pids":
                     pipe.send(("worker_pids", engine.collective_rpc(probes.worker_pid)))
                     continue
+                if cmd == "abort":  # ("abort", req_id): the engine drops the request
+                    engine.abort_request([args[0]])
+                    pipe.send(("abort", None))
+                    continue
                 if cmd == "metrics":  # this engine's vllm:kvops_* Prometheus metrics
                     pipe.send(("metrics", kvops_metrics(engine)))
                     continue

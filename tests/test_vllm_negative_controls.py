@@ -11,7 +11,11 @@ reference tokens itself (a request without kv_transfer_params is served locally)
 - Sabotaged pushes into DI must be caught: the request is reported failed, DI
   recomputes it (kv_load_failure_policy="recompute") and answers with the reference
   tokens, and the failure is counted.
+- A prefill aborted part-way: D keeps the chunks that landed, reports the rest as load
+  errors and recomputes only those (the reference tokens, fewer prompt tokens than the
+  prompt); D told to trust the whole transfer instead answers wrongly.
 """
+import time
 import os
 import random
 import sys
@@ -109,6 +113,33 @@ class Harness:
         return {"tokens_match": out["tokens"] == reference, "kv": kv,
                 "local_prompt_tokens": vllm_disagg.local_prompt_tokens(out)}
 
+    def abort_part_way(self, i: int, how: str = "") -> dict:
+        """Prompt i into D, with P slowed down and made to drop the request after its
+        first pushed chunk (P tells D at once); D's output against the reference."""
+        reference = self.reference(i)
+        p, d = self.engines["P"], self.engines["D"]
+        self.seq += 1
+        tid = f"abort-{how or 'clean'}-{self.seq}"
+        steps_before = counter_total(p.ask("stats"), "steps")
+        failed_before = counter_total(p.ask("stats"), "requests_failed")
+        self.sabotage(",".join(["slow"] + ([how] if how else [])))
+        try:
+            d.submit([(tid, self.prompts[i], NEW_TOKENS, {
+                "do_remote_prefill": True, "transfer_id": tid, "kvops_producer": self.producer_addr})])
+            p.submit([(tid, self.prompts[i], 1, {"do_remote_decode": True, "transfer_id": tid})])
+            deadline = time.monotonic() + 120
+            while counter_total(p.ask("stats"), "steps") <= steps_before:
+                assert time.monotonic() < deadline, "P pushed no chunk"
+                time.sleep(0.01)
+            p.ask("abort", tid)
+            out = d.wait_done(tid, 120)
+        finally:
+            self.sabotage("")
+        return {"tokens_match": out["tokens"] == reference,
+                "local_prompt_tokens": vllm_disagg.local_prompt_tokens(out),
+                "p_failed": counter_total(p.ask("stats"), "requests_failed") - failed_before,
+                "p_blocks": p.drain(60)}
+
     def integrity_failures(self) -> int:
         return counter_total(self.engines["DI"].ask("stats"), "integrity_failures")
 
@@ -158,3 +189,25 @@ def test_integrity_check_passes_clean_pushes(engines, i):
     got = engines.push(i, "DI")
     assert got["tokens_match"] and got["kv"]["match"] and got["local_prompt_tokens"] == 1, got
     assert engines.integrity_failures() == before
+
+
+def test_a_prefill_aborted_part_way_leaves_decode_its_landed_prefix(engines):
+    i = PROMPT_LENS.index(700)  # three chunks of BUDGET tokens
+    got = engines.abort_part_way(i)
+    assert got["tokens_match"], got
+    kept = PROMPT_LENS[i] - got["local_prompt_tokens"]
+    # at least the first chunk's whole blocks were kept, not the whole prompt; D
+    # recomputes from a block boundary
+    assert BUDGET // 32 * 32 - 32 <= kept < PROMPT_LENS[i] - 1 and kept % 32 == 0, got
+    assert got["p_failed"] == 1, "P reports the aborted request failed once"
+    blocks = got["p_blocks"]
+    assert blocks["idle"] and blocks["free_blocks"] == blocks["usable_blocks"], blocks
+
+
+def test_decode_trusting_a_partial_transfer_whole_answers_wrongly(engines):
+    """Negative control of the test above: blocks that never received their KV, taken
+    as loaded, change the answer."""
+    i = PROMPT_LENS.index(700)
+    got = engines.abort_part_way(i, "trust_all")
+    assert got["local_prompt_tokens"] == 1, "D should have taken the whole prompt as loaded"
+    assert not got["tokens_match"], "tokens survived missing KV: the partial-failure check is blind"

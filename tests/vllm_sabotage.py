@@ -1,50 +1,90 @@
 """Fault injection for the vLLM P/D tests, installed in the engine processes by the
 test (``Engine(..., setup="vllm_sabotage:install")``), never part of the product.
 
-The prefill engine's pushes are sabotaged while the file named by
-``KVOPS_SABOTAGE_FILE`` holds a mode (the test writes it between requests):
+The engines are sabotaged while the file named by ``KVOPS_SABOTAGE_FILE`` holds a
+mode, or several separated by commas (the test writes it between requests). In the
+prefill engine:
 
 - ``drop``: the transport reports success and moves no byte;
 - ``shift``: every write lands 4 KiB past its destination (transport level: into the
   neighbouring bytes, whether the write goes to a staging slot or to the cache);
 - ``rotate``: the worker is handed destination blocks rotated by one within each
   chunk (a wrong block id in the plan; the consumer accepts it, the bytes land in
-  the wrong blocks of the right request).
+  the wrong blocks of the right request);
+- ``slow``: every push step begins 1.5 s late (a slow prefill, so that a test can
+  act between two chunks);
+- ``skip_after_preemption``: the scheduler pushes nothing more of a request it
+  preempted (as if its pushes had ended).
+
+In a decode engine:
+
+- ``trust_all``: a transfer that failed part-way is taken as whole (no block is
+  reported as a load error, so vLLM keeps blocks that never received their KV).
 """
 import os
+import time
 
 
-def mode() -> str:
+def modes() -> set:
     path = os.environ.get("KVOPS_SABOTAGE_FILE")
     if not path:
         raise RuntimeError("KVOPS_SABOTAGE_FILE is not set in the engine process")
     with open(path) as f:
-        return f.read().strip()
+        return {m.strip() for m in f.read().split(",") if m.strip()}
 
 
 def install(process_name: str) -> None:
+    if process_name.startswith("decode"):
+        install_decode()
     if process_name != "prefill":
         return
+    from torch_kvops.integrations.vllm import scheduler as vllm_scheduler
     from torch_kvops.integrations.vllm import worker as vllm_worker
     from torch_kvops.transports.mooncake import MooncakeTransport
 
     write = MooncakeTransport.write
 
     def sabotaged_write(self, peer, src, dst, lengths, **kwargs):
-        how = mode()
-        if how == "drop":
+        how = modes()
+        if "drop" in how:
             return None
-        if how == "shift":
+        if "shift" in how:
             dst = [int(d) + 4096 for d in dst]
         return write(self, peer, src, dst, lengths, **kwargs)
 
     begin_step = vllm_worker.KvopsWorker.begin_step
 
     def sabotaged_begin_step(self, meta):
-        if mode() == "rotate":
+        how = modes()
+        if "rotate" in how:
             for push in meta.push:
                 push.dst_blocks = push.dst_blocks[1:] + push.dst_blocks[:1]
+        if "slow" in how and meta.push:
+            time.sleep(1.5)
         return begin_step(self, meta)
+
+    build_connector_meta = vllm_scheduler.ProducerScheduler.build_connector_meta
+
+    def sabotaged_build_connector_meta(self, out, meta):
+        if "skip_after_preemption" in modes():
+            for req_id in out.preempted_req_ids or ():
+                if req_id in self._pushes:
+                    self._pushes[req_id].done = True
+        return build_connector_meta(self, out, meta)
 
     MooncakeTransport.write = sabotaged_write
     vllm_worker.KvopsWorker.begin_step = sabotaged_begin_step
+    vllm_scheduler.ProducerScheduler.build_connector_meta = sabotaged_build_connector_meta
+
+
+def install_decode() -> None:
+    from torch_kvops.integrations.vllm import worker as vllm_worker
+
+    valid_blocks = vllm_worker.KvopsWorker._valid_blocks
+
+    def sabotaged_valid_blocks(self, landed):
+        if "trust_all" in modes():
+            return set(range(self.num_blocks))
+        return valid_blocks(self, landed)
+
+    vllm_worker.KvopsWorker._valid_blocks = sabotaged_valid_blocks
