@@ -70,9 +70,17 @@ def test_killed_prefill_engine_gives_a_bounded_recompute_on_decode(disagg_run):
     assert kill["p_exitcode"] is not None and kill["p_exitcode"] < 0, "P was not killed"
     # D noticed within its lease (plus scheduling and the recompute itself) ...
     assert kill["d_finished_after_kill_s"] < LEASE_S + 30
-    # ... recomputed the whole prompt locally (kv_load_failure_policy="recompute") and
-    # produced the reference tokens.
-    assert kill["d_local_prompt_tokens"] == kill["prompt_len"]
+    # ... kept the whole blocks of the chunks that landed (none if the kill cut the
+    # notices short), recomputed from the first block after them
+    # (kv_load_failure_policy="recompute") and produced the reference tokens.
+    kept = kill["prompt_len"] - kill["d_local_prompt_tokens"]
+    assert 0 <= kept < kill["prompt_len"] - 1 and kept % 32 == 0, kill
+    d = result["metrics"]["D"]
+    missing = d.get("vllm:kvops_load_error_blocks", 0)
+    if kept:  # a partial load: the blocks after the kept ones were reported as load errors
+        assert d["vllm:kvops_partial_loads"] == 1 and missing == -(-kill["prompt_len"] // 32) - kept // 32, d
+    else:
+        assert d.get("vllm:kvops_partial_loads", 0) == 0 and missing == 0, d
     assert kill["d_tokens_match"] is True
     assert kill["d_finish_reason"] == "length"
 

@@ -122,8 +122,9 @@ class _Blocks:
 
 
 class _Out:
-    def __init__(self, scheduled):
+    def __init__(self, scheduled, preempted=()):
         self.num_scheduled_tokens = scheduled
+        self.preempted_req_ids = set(preempted)
 
 
 def _wait_for_destination(sched, req, timeout=5.0):
@@ -164,6 +165,41 @@ def test_prefill_scheduler_waits_for_its_destination_then_pushes_each_chunk():
             finished_sending = {"r"}
         sched.update_connector_output(_Output())
         assert not sched.has_pending_push_work()
+    finally:
+        poster.close()
+        sched.shutdown()
+
+
+def test_a_preempted_prefill_pushes_again_from_the_start_with_its_recompute():
+    from torch_kvops.integrations.vllm.metadata import KvopsConnectorMetadata
+    from torch_kvops.integrations.vllm.scheduler import ProducerScheduler
+
+    sched = ProducerScheduler(KvopsSettings(wait_for_decode_s=30), block_size=32)
+    poster = DestinationPoster(_Results(), timeout_s=1.0, retries=0)
+    try:
+        blocks = _Blocks({"r": [10, 11, 12, 13]})
+        sched.kv_cache_manager = blocks
+        req = _Request("r", {"do_remote_decode": True, "transfer_id": "t"}, prompt=100)
+        sched.get_num_new_matched_tokens(req, 0)
+        # D's first block is a local prefix-cache hit there: P pushes from token 32
+        poster.post(sched.server.address, {"transfer_id": "t", "block_ids": [20, 21, 22, 23],
+                                           "start_token": 32, "peers": [{"engine_id": "d"}]})
+        _wait_for_destination(sched, req)
+
+        def step(computed, scheduled, preempted=()):
+            req.num_computed_tokens = computed
+            meta = KvopsConnectorMetadata()
+            sched.build_connector_meta(_Out(scheduled, preempted), meta)
+            return [(p.src_blocks, p.dst_blocks, p.last_chunk) for p in meta.push]
+
+        assert step(0, {"r": 70}) == [([11, 12], [21, 22], False)]
+        assert step(0, {}, preempted={"r"}) == []  # freed; back in the waiting queue
+        blocks.ids["r"] = [30, 31, 32, 33]  # recomputed in other blocks
+        assert step(0, {"r": 60}) == [([31], [21], False)]
+        assert step(60, {"r": 40}) == [([31, 32, 33], [21, 22, 23], True)]
+        assert sched.connector_stats().data["preempted_repushes"] == 1
+        # preempted after its last chunk: D has it all, nothing is pushed again
+        assert step(0, {}, preempted={"r"}) == [] and step(0, {"r": 100}) == []
     finally:
         poster.close()
         sched.shutdown()

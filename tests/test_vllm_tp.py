@@ -122,5 +122,7 @@ def test_a_killed_prefill_rank_makes_decode_recompute_within_its_lease(cluster):
     out = d2.wait_done(tid, 300)
     p2.kill()  # the engine cannot go on without its rank
     assert out["t_done"] - killed < LEASE_S + 60
-    assert vllm_disagg.local_prompt_tokens(out) == PROMPT_LENS[i], "D2 did not recompute the prompt"
+    # D2 keeps what every part delivered whole (perhaps nothing) and recomputes the rest
+    kept = PROMPT_LENS[i] - vllm_disagg.local_prompt_tokens(out)
+    assert 0 <= kept < PROMPT_LENS[i] - 1 and kept % 32 == 0, kept
     assert out["tokens"] == cluster.reference[i]

@@ -71,3 +71,44 @@ def test_gqa_replicated_heads_are_sent_by_the_first_replica():
 def test_unsupported_configurations_are_refused_with_the_setting_named(kv_heads, tp, mla, pp, match):
     with pytest.raises(ValueError, match=match):
         check_tp(kv_heads, tp, mla, pp)
+
+
+def _decode_worker(local_heads: int, by_head: bool):
+    """A decode KvopsWorker's partial-failure bookkeeping alone (no transport)."""
+    from torch_kvops.integrations.vllm.metrics import StatsCollector
+    from torch_kvops.integrations.vllm.worker import KvopsWorker
+
+    worker = KvopsWorker.__new__(KvopsWorker)
+    worker.heads, worker._by_head = HeadSlice(0, local_heads), by_head
+    worker._recv_left, worker._recv_blocks, worker._recv_valid = {}, {}, {}
+    worker._recv_bad, worker._ended_ok, worker._ended_failed = set(), set(), set()
+    worker._load_errors, worker.metrics = set(), StatsCollector("consumer")
+    return worker
+
+
+@pytest.mark.parametrize("local_heads,by_head", [(1, False), (2, True)])
+def test_a_part_failed_part_way_keeps_only_blocks_filled_whole_by_every_part(local_heads, by_head):
+    """Two prefill ranks each send one head per block (units block * heads + head when
+    by head). Rank 0's part landed chunks of blocks [7, 3, 9] and [9, 4] (9 cut by the
+    boundary) then failed; rank 1's landed [7, 3, 9] then failed. Only 7 and 3 are
+    whole on both: 9, 4 and 5 are load errors, the request is reported received."""
+    w = _decode_worker(local_heads, by_head)
+
+    def units(blocks, head):
+        return [b * local_heads + (head if by_head else 0) for b in blocks]
+
+    w._recv_left["r"], w._recv_blocks["r"] = {"a", "b"}, [7, 3, 9, 4, 5]
+    w._part_failed("r", w._valid_blocks([units([7, 3, 9], 0), units([9, 4], 0)]))
+    w._part_failed("r", w._valid_blocks([units([7, 3, 9], 1 % local_heads)]))
+    w._recv_ended("r")
+    assert w._ended_ok == {"r"} and not w._ended_failed
+    assert w.get_block_ids_with_load_errors() == {9, 4, 5}
+    assert w.get_block_ids_with_load_errors() == set(), "reported once"
+
+
+def test_a_part_that_landed_nothing_fails_the_whole_request():
+    w = _decode_worker(1, False)
+    w._recv_left["r"], w._recv_blocks["r"] = {"a"}, [7, 3]
+    w._part_failed("r", w._valid_blocks([[7]]))  # its only landed block may be cut
+    w._recv_ended("r")
+    assert w._ended_failed == {"r"} and w.get_block_ids_with_load_errors() == set()
