@@ -504,7 +504,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
             out["p_chunks"] = len(steps)
             out["push_span"] = sum(s.get("push_span_s") or 0.0 for s in steps)
             # P's first push step began: it waited this long for D's block ids
-            out["p_start"] = steps[0]["started_at"] - sent if "started_at" in steps[0] else None
+            out["p_start"] = steps[0]["started_at"] - out["sent"] if "started_at" in steps[0] else None
             # P's forwards alone (bind -> wait_for_save), summed over its chunks
             out["p_forward"] = sum(s["forward_done_at"] - s["started_at"] for s in steps
                                    if "forward_done_at" in s)
