@@ -12,6 +12,14 @@ Compared in one run, interleaved and repeated (medians): layer-wise push vs push
 all layers after the forward, eager and torch.compile'd prefill, plus the forward
 alone and the transfer alone. The last line of output is one JSON object.
 
+By default, where the machine allows it (root: CAP_NET_ADMIN and CAP_SYS_ADMIN, and
+``ip``/``tc``), both processes run inside a network namespace whose loopback is shaped to
+1 Gbit/s (torch_kvops/emulated_link.py): the KV then takes about half as long to move
+as the forward takes to compute it, the regime of a long prompt between two GPU hosts,
+where layer-wise push matters. On plain loopback the transfer is a few percent of the
+forward and there is little to hide. ``--link RATE[,DELAY]`` picks another link,
+``--link none`` plain loopback; the report says which regime the run was in.
+
 ``--device cuda`` runs both models and their KV caches on the GPU (both processes may
 share one), the model on torch's default stream; the connector stages each layer
 through pinned host memory on its own stream, so the transfer overlaps the forward.
@@ -26,7 +34,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -288,8 +296,9 @@ def run(args) -> dict:
         result[flavor] = _summarize(samples, flavor)
     main = result["eager"]
     result.update({"prefill_compute_s": main["prefill_compute_s"], "transfer_s": med["transfer_s"],
-                   "regime": "transfer-bound" if med["transfer_s"] > main["prefill_compute_s"]
-                   else "compute-bound",
+                   "transfer_over_compute": med["transfer_s"] / main["prefill_compute_s"],
+                   "regime": regime(med["transfer_s"], main["prefill_compute_s"]),
+                   "link": args.link_note,
                    **{k: main[k] for k in ("kv_ready_layerwise_s", "kv_ready_after_forward_s",
                                            "exposed_layerwise_ms", "exposed_after_forward_ms",
                                            "hidden_fraction", "hidden_fraction_range")},
@@ -298,6 +307,38 @@ def run(args) -> dict:
                    "sender_stats": {k: stats[k] for k in ("bytes_sent", "layers_sent", "retries",
                                                            "transport_errors", "staged_writes")}})
     return result
+
+
+# The regime where layer-wise push matters: the transfer is a sizeable part of the
+# forward (an 8k-token prompt of an 8B model: ~1 GiB of KV, ~0.34 s over 25 Gbit/s,
+# against 0.5-1 s of prefill on a GPU).
+TRANSFER_MATTERS = 0.3
+# The default link: the default model's 64 MiB of KV take ~0.55 s against ~1.2 s of forward.
+DEFAULT_LINK = "1gbit"
+
+
+def regime(transfer_s: float, compute_s: float) -> str:
+    if transfer_s > compute_s:
+        return "transfer-bound"
+    if transfer_s >= TRANSFER_MATTERS * compute_s:
+        return "transfer matters"
+    return "compute-bound"
+
+
+def choose_link(choice: str) -> Tuple[Optional[str], str]:
+    """(the link to run in, or None for plain loopback; why), for ``--link``."""
+    from .emulated_link import LinkError, check_prerequisites
+
+    if choice == "none":
+        return None, "plain loopback (--link none)"
+    if choice != "auto":
+        return choice, f"emulated link {choice} (--link)"
+    try:
+        check_prerequisites()
+    except LinkError as exc:
+        return None, f"plain loopback: no emulated link here ({exc})"
+    return DEFAULT_LINK, (f"emulated link {DEFAULT_LINK} (the default where the machine allows "
+                          "it; --link none for plain loopback)")
 
 
 def _summarize(samples: Dict[str, List[float]], flavor: str) -> dict:
@@ -348,8 +389,10 @@ def print_report(result: dict) -> None:
         cols = [exposed(result[f], key) if f in result else "-" for f in ("eager", "compiled")]
         print(f"{label:38} " + " ".join(f"{c:>24}" for c in cols))
     print(f"{'transfer of all layers alone (s)':38} {result['transfer_s']:24.3f}")
-    print(f"regime: {result['regime']} (transfer {result['transfer_s']:.3f} s vs forward "
-          f"{result['prefill_compute_s']:.3f} s)")
+    print(f"link: {result['link']}")
+    print(f"regime: {result['regime']} (transfer {result['transfer_s']:.3f} s = "
+          f"{100 * result['transfer_over_compute']:.0f}% of the forward's {result['prefill_compute_s']:.3f} s; "
+          f"layer-wise push matters from {100 * TRANSFER_MATTERS:.0f}%)")
     print(f"tokens identical to the monolithic run: {result['tokens_match']}")
     lo, hi = result["hidden_fraction_range"]
     print(f"layer-wise push hid {result['hidden_fraction'] * 100:.0f}% of min(compute, transfer) "
@@ -375,12 +418,26 @@ def parse_args(argv=None):
                    help="where both models and their KV caches live (cuda: the model runs on "
                         "torch's default stream)")
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--link", default="auto", metavar="RATE[,DELAY]|auto|none",
+                   help=f"run both processes in an emulated link (network namespace, needs root); "
+                        f"auto: {DEFAULT_LINK} where the machine allows it, else plain loopback")
+    p.add_argument("--link-timeout", type=float, default=3600.0, help="bound of the run inside the link, s")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    link, args.link_note = choose_link(args.link)
+    if link is not None:
+        from .emulated_link import current_link, enter_link
+
+        if current_link() is None:
+            _progress(f"running inside an {args.link_note}")
+        rest = list(sys.argv[1:] if argv is None else argv)
+        # re-run inside the link with the link named, so "auto" resolves once
+        enter_link(link, [sys.executable, "-m", "torch_kvops.demo", *_without_link(rest), "--link", link],
+                   args.link_timeout)
     result = run(args)
     print_report(result)
     if args.json_out:
@@ -389,6 +446,18 @@ def main(argv=None) -> int:
     summary = {k: v for k, v in result.items() if k not in ("samples", "traces")}
     print(json.dumps(summary))
     return 0 if result["tokens_match"] else 1
+
+
+def _without_link(argv: List[str]) -> List[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--link":
+            skip = True
+        elif not arg.startswith("--link="):
+            out.append(arg)
+    return out
 
 
 if __name__ == "__main__":
