@@ -29,6 +29,7 @@ import vllm_disagg  # noqa: E402  (the example's engine harness)
 
 from torch_kvops.integrations.vllm.probes import counter_total  # noqa: E402
 from torch_kvops.testing.hf_model import write_context_model  # noqa: E402
+from vllm_sabotage import Switch  # noqa: E402  (tests/, on sys.path under pytest)
 
 PROMPT_LENS = [300, 700]  # chunked at the budget: blocks cut by chunk boundaries
 BUDGET = 256
@@ -38,10 +39,7 @@ NEW_TOKENS = 6
 @pytest.fixture(scope="module")
 def engines():
     tmp = tempfile.TemporaryDirectory(prefix="kvops-neg-")
-    control = os.path.join(tmp.name, "sabotage")
-    with open(control, "w") as f:
-        f.write("")
-    os.environ["KVOPS_SABOTAGE_FILE"] = control  # inherited by the engine processes
+    switch = Switch(tmp.name)
     model = os.path.join(tmp.name, "model")
     write_context_model(model, layers=4, hidden=256, heads=4, kv_heads=2, vocab=1024, max_len=4096)
     base = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, seed=0, dtype="float32",
@@ -69,23 +67,22 @@ def engines():
             engine.wait_ready(400)
         rng = random.Random(7)
         prompts = [[rng.randrange(3, 1024) for _ in range(n)] for n in PROMPT_LENS]
-        yield Harness(started, f"127.0.0.1:{port}", control, prompts)
+        yield Harness(started, f"127.0.0.1:{port}", switch, prompts)
     finally:
         problems = vllm_disagg.stop_engines(list(started.values()))
-        os.environ.pop("KVOPS_SABOTAGE_FILE", None)
+        switch.close()
         tmp.cleanup()
         assert not problems, problems
 
 
 class Harness:
-    def __init__(self, engines, producer_addr, control, prompts):
-        self.engines, self.producer_addr, self.control, self.prompts = engines, producer_addr, control, prompts
+    def __init__(self, engines, producer_addr, switch, prompts):
+        self.engines, self.producer_addr, self.switch, self.prompts = engines, producer_addr, switch, prompts
         self.seq = 0
         self._reference = {}
 
-    def sabotage(self, how: str) -> None:
-        with open(self.control, "w") as f:
-            f.write(how)
+    def sabotage(self, *how: str) -> None:
+        self.switch.set(*how)
 
     def reference(self, i: int) -> list:
         """Tokens D computes itself for prompt i (no transfer)."""
@@ -122,7 +119,7 @@ class Harness:
         tid = f"abort-{how or 'clean'}-{self.seq}"
         steps_before = counter_total(p.ask("stats"), "steps")
         failed_before = counter_total(p.ask("stats"), "requests_failed")
-        self.sabotage(",".join(["slow"] + ([how] if how else [])))
+        self.sabotage("slow", how)
         try:
             d.submit([(tid, self.prompts[i], NEW_TOKENS, {
                 "do_remote_prefill": True, "transfer_id": tid, "kvops_producer": self.producer_addr})])

@@ -19,6 +19,7 @@ import vllm_disagg  # noqa: E402  (the example's engine harness)
 
 from torch_kvops.integrations.vllm.probes import counter_total  # noqa: E402
 from torch_kvops.testing.hf_model import write_context_model  # noqa: E402
+from vllm_sabotage import Switch  # noqa: E402  (tests/, on sys.path under pytest)
 
 PROMPT_LENS = [700, 900, 800, 1000, 600, 750]
 P_BLOCKS = 48  # of 32 tokens: the two longest prompts need 60
@@ -29,10 +30,7 @@ LEASE_S = 60.0  # the last queued request waits for P to prefill the others
 @pytest.fixture(scope="module")
 def engines():
     tmp = tempfile.TemporaryDirectory(prefix="kvops-preempt-")
-    control = os.path.join(tmp.name, "sabotage")
-    with open(control, "w") as f:
-        f.write("")
-    os.environ["KVOPS_SABOTAGE_FILE"] = control  # inherited by the engine processes
+    switch = Switch(tmp.name)
     model = os.path.join(tmp.name, "model")
     write_context_model(model, layers=4, hidden=256, heads=4, kv_heads=2, vocab=1024, max_len=4096)
     base = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, seed=0, dtype="float32",
@@ -60,17 +58,17 @@ def engines():
         for i, prompt in enumerate(prompts):  # D computes the reference tokens itself
             started["D"].submit([(f"ref-{i}", prompt, NEW_TOKENS, None)])
             reference.append(started["D"].wait_done(f"ref-{i}", 300)["tokens"])
-        yield Soak(started, f"127.0.0.1:{port}", control, prompts, reference)
+        yield Soak(started, f"127.0.0.1:{port}", switch, prompts, reference)
     finally:
         problems = vllm_disagg.stop_engines(list(started.values()))
-        os.environ.pop("KVOPS_SABOTAGE_FILE", None)
+        switch.close()
         tmp.cleanup()
         assert not problems, problems
 
 
 class Soak:
-    def __init__(self, engines, producer_addr, control, prompts, reference):
-        self.engines, self.producer_addr, self.control = engines, producer_addr, control
+    def __init__(self, engines, producer_addr, switch, prompts, reference):
+        self.engines, self.producer_addr, self.switch = engines, producer_addr, switch
         self.prompts, self.reference = prompts, reference
         self.rounds = 0
 
@@ -79,8 +77,7 @@ class Soak:
         p, d = self.engines["P"], self.engines["D"]
         self.rounds += 1
         tids = [f"r{self.rounds}-{i}" for i in range(len(self.prompts))]
-        with open(self.control, "w") as f:
-            f.write(sabotage)
+        self.switch.set(sabotage)
         try:
             d.submit([(t, prompt, NEW_TOKENS, {"do_remote_prefill": True, "transfer_id": t,
                                               "kvops_producer": self.producer_addr})
@@ -89,8 +86,7 @@ class Soak:
                       for t, prompt in zip(tids, self.prompts)])
             outs = {t: (d.wait_done(t, 600), p.wait_done(t, 600)) for t in tids}
         finally:
-            with open(self.control, "w") as f:
-                f.write("")
+            self.switch.set("")
         return {
             "tokens_match": [outs[t][0]["tokens"] == ref for t, ref in zip(tids, self.reference)],
             "local_prompt_tokens": [vllm_disagg.local_prompt_tokens(outs[t][0]) for t in tids],

@@ -25,6 +25,24 @@ import os
 import time
 
 
+class Switch:
+    """Test side: the file the engines read their modes from, created empty (no
+    sabotage) in ``directory`` and named in ``KVOPS_SABOTAGE_FILE`` for the engine
+    processes started next (they inherit it)."""
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, "sabotage")
+        self.set("")
+        os.environ["KVOPS_SABOTAGE_FILE"] = self.path
+
+    def set(self, *how: str) -> None:
+        with open(self.path, "w") as f:
+            f.write(",".join(m for m in how if m))
+
+    def close(self) -> None:
+        os.environ.pop("KVOPS_SABOTAGE_FILE", None)
+
+
 def modes() -> set:
     path = os.environ.get("KVOPS_SABOTAGE_FILE")
     if not path:
