@@ -24,6 +24,7 @@ from vllm_sabotage import Switch  # noqa: E402  (tests/, on sys.path under pytes
 PROMPT_LENS = [700, 900, 800, 1000, 600, 750]
 P_BLOCKS = 48  # of 32 tokens: the two longest prompts need 60
 NEW_TOKENS = 4
+ROUNDS = 2  # every prompt at once, twice
 LEASE_S = 60.0  # the last queued request waits for P to prefill the others
 
 
@@ -104,13 +105,14 @@ def test_preempted_prefills_are_pushed_again_and_end_once_on_each_side(engines):
     before = {(e, k): counters(engines.engines[e], k)
               for e in "PD" for k in ("requests_finished", "requests_failed")}
     repushes_before = p.metrics().get("vllm:kvops_preempted_repushes", 0)
-    got = engines.run()
-    assert sum(got["preemptions"]) > 0, f"P preempted nothing: this test exercises nothing ({got})"
-    assert all(got["tokens_match"]), got
-    # all the KV came from P, preempted or not: D computed only the last prompt token
-    assert got["local_prompt_tokens"] == [1] * len(PROMPT_LENS), got
+    for _ in range(ROUNDS):
+        got = engines.run()
+        assert sum(got["preemptions"]) > 0, f"P preempted nothing: this test exercises nothing ({got})"
+        assert all(got["tokens_match"]), got
+        # all the KV came from P, preempted or not: D computed only the last prompt token
+        assert got["local_prompt_tokens"] == [1] * len(PROMPT_LENS), got
     # exactly one outcome per request on each side, and it is success
-    n = len(PROMPT_LENS)
+    n = ROUNDS * len(PROMPT_LENS)
     for e in "PD":
         assert counters(engines.engines[e], "requests_finished") - before[(e, "requests_finished")] == n
         assert counters(engines.engines[e], "requests_failed") == before[(e, "requests_failed")]

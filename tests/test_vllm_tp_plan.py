@@ -74,11 +74,11 @@ def test_unsupported_configurations_are_refused_with_the_setting_named(kv_heads,
 
 
 def _decode_worker(local_heads: int, by_head: bool):
-    """A decode KvopsWorker's partial-failure bookkeeping alone (no transport)."""
+    """A decode worker's partial-failure bookkeeping alone (no transport)."""
     from torch_kvops.integrations.vllm.metrics import StatsCollector
-    from torch_kvops.integrations.vllm.worker import KvopsWorker
+    from torch_kvops.integrations.vllm.worker_consumer import ConsumerWorker
 
-    worker = KvopsWorker.__new__(KvopsWorker)
+    worker = ConsumerWorker.__new__(ConsumerWorker)
     worker.heads, worker._by_head = HeadSlice(0, local_heads), by_head
     worker._recv_left, worker._recv_blocks, worker._recv_valid = {}, {}, {}
     worker._recv_bad, worker._ended_ok, worker._ended_failed = set(), set(), set()

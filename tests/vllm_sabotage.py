@@ -57,7 +57,7 @@ def install(process_name: str) -> None:
     if process_name != "prefill":
         return
     from torch_kvops.integrations.vllm import scheduler as vllm_scheduler
-    from torch_kvops.integrations.vllm import worker as vllm_worker
+    from torch_kvops.integrations.vllm.worker_producer import ProducerWorker
     from torch_kvops.transports.mooncake import MooncakeTransport
 
     write = MooncakeTransport.write
@@ -70,7 +70,7 @@ def install(process_name: str) -> None:
             dst = [int(d) + 4096 for d in dst]
         return write(self, peer, src, dst, lengths, **kwargs)
 
-    begin_step = vllm_worker.KvopsWorker.begin_step
+    begin_step = ProducerWorker.begin_step
 
     def sabotaged_begin_step(self, meta):
         how = modes()
@@ -91,18 +91,18 @@ def install(process_name: str) -> None:
         return build_connector_meta(self, out, meta)
 
     MooncakeTransport.write = sabotaged_write
-    vllm_worker.KvopsWorker.begin_step = sabotaged_begin_step
+    ProducerWorker.begin_step = sabotaged_begin_step
     vllm_scheduler.ProducerScheduler.build_connector_meta = sabotaged_build_connector_meta
 
 
 def install_decode() -> None:
-    from torch_kvops.integrations.vllm import worker as vllm_worker
+    from torch_kvops.integrations.vllm.worker_consumer import ConsumerWorker
 
-    valid_blocks = vllm_worker.KvopsWorker._valid_blocks
+    valid_blocks = ConsumerWorker._valid_blocks
 
     def sabotaged_valid_blocks(self, landed):
         if "trust_all" in modes():
             return set(range(self.num_blocks))
         return valid_blocks(self, landed)
 
-    vllm_worker.KvopsWorker._valid_blocks = sabotaged_valid_blocks
+    ConsumerWorker._valid_blocks = sabotaged_valid_blocks

@@ -15,6 +15,8 @@ from .metadata import KvopsConnectorMetadata, KvopsHandshake, KvopsSettings
 from .scheduler import ConsumerScheduler, ProducerScheduler
 from .tp import check_tp, merge_decode_peers
 from .worker import KvopsWorker
+from .worker_consumer import ConsumerWorker
+from .worker_producer import ProducerWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -67,9 +69,9 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            self._worker = KvopsWorker(self.settings, self.kv_role, kv_cache_config.num_blocks,
-                                       total_kv_heads, get_tensor_model_parallel_rank(),
-                                       parallel.tensor_parallel_size)
+            worker = ProducerWorker if self.kv_role == "producer" else ConsumerWorker
+            self._worker = worker(self.settings, kv_cache_config.num_blocks, total_kv_heads,
+                                  get_tensor_model_parallel_rank(), parallel.tensor_parallel_size)
 
     @property
     def side_channel_address(self) -> str:
@@ -137,7 +139,7 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
         """Decode: blocks a transfer that failed part-way did not fill; the request was
         reported received in the same step, and vLLM recomputes from the first of these
         (with ``kv_load_failure_policy="recompute"``)."""
-        return self._worker.get_block_ids_with_load_errors() if self.kv_role == "consumer" else set()
+        return self._worker.get_block_ids_with_load_errors()
 
     def recent_steps(self, transfer_id: Optional[str] = None) -> list:
         """Worker side, prefill: per recent push step, the time the engine waited after

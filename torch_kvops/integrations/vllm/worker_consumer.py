@@ -1,0 +1,153 @@
+"""Decode worker: expects the parts of each request it receives (tp.py) and reports
+the request received once every part ended. A part that failed after some chunks
+landed leaves its whole blocks usable: the rest become vLLM load errors."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from typing import Dict, List, Set, Tuple
+
+from .metadata import KvopsConnectorMetadata, KvopsSettings
+from .tp import expected_parts, part_id
+from .worker import KvopsWorker
+
+log = logging.getLogger(__name__)
+
+
+class ConsumerWorker(KvopsWorker):
+    """D's worker side, one per tensor-parallel rank."""
+
+    role = "consumer"
+
+    def __init__(self, settings: KvopsSettings, num_blocks: int, total_kv_heads: int = 1,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(settings, num_blocks, total_kv_heads, tp_rank, tp_size)
+        self._recv_tid_to_req: Dict[str, str] = {}  # part id -> request id
+        self._recv_left: Dict[str, Set[str]] = {}  # request id -> parts not yet ended
+        self._recv_bad: Set[str] = set()  # requests with a failed part
+        self._recv_blocks: Dict[str, List[int]] = {}  # request id -> the blocks P fills
+        # request id -> blocks every failed part of it filled (absent: no part failed)
+        self._recv_valid: Dict[str, Set[int]] = {}
+        self._part_valid: "OrderedDict[str, Set[int]]" = OrderedDict()  # failed early part -> ...
+        self._load_errors: Set[int] = set()  # blocks to report as not loaded (partial failure)
+        # transfers that ended before their request reached this worker (P was faster
+        # than this engine's step): tid -> ok, matched in begin_step
+        self._early: "OrderedDict[str, bool]" = OrderedDict()
+        self._ended_ok: Set[str] = set()
+        self._ended_failed: Set[str] = set()
+
+    def peer_info(self) -> dict:
+        """This rank's consumer peer_info, with its tensor-parallel rank and how its
+        units address heads."""
+        return dict(self.conn.peer_info(), tp_rank=self.tp_rank, tp_size=self.tp_size,
+                    by_head=self._by_head)
+
+    def begin_step(self, meta: KvopsConnectorMetadata) -> None:
+        for recv in meta.recv:
+            self._expect(recv.req_id, recv.transfer_id, recv.prefill_tp, recv.block_ids)
+
+    def _expect(self, req_id: str, transfer_id: str, prefill_tp: int, block_ids: List[int]) -> None:
+        """Wait for the parts of ``transfer_id`` this rank receives (tp.py)."""
+        if prefill_tp <= 0:  # the destination never reached P: nothing will come
+            log.warning("request %s: its destination was not accepted by the prefill side", req_id)
+            self._ended_failed.add(req_id)
+            return
+        self._recv_blocks[req_id] = list(block_ids)
+        if self._by_head:
+            parts = expected_parts(transfer_id, self.total_kv_heads, prefill_tp, self.tp_size,
+                                   self.tp_rank)
+        else:
+            parts = [part_id(transfer_id, self.tp_rank, self.tp_rank)]
+        left = self._recv_left[req_id] = set()
+        for part in parts:
+            early = self._early.pop(part, None)
+            if early is None:
+                left.add(part)
+                self._recv_tid_to_req[part] = req_id
+                self.conn.expect(part)
+            elif not early:
+                self._part_failed(req_id, self._part_valid.pop(part, set()))
+        log.debug("expecting %s (%s) at %.4f", transfer_id, parts, time.monotonic())
+        if not left:
+            self._recv_ended(req_id)
+
+    def _part_failed(self, req_id: str, valid: Set[int]) -> None:
+        """A part of the request failed, having filled ``valid`` blocks before."""
+        self._recv_bad.add(req_id)
+        known = self._recv_valid.get(req_id)
+        self._recv_valid[req_id] = valid if known is None else known & valid
+
+    def _valid_blocks(self, landed: List[List[int]]) -> Set[int]:
+        """Blocks a failed part filled completely: those of the chunks that landed, but
+        the last block of the last one, which a chunk boundary may have cut (the next
+        chunk would have pushed it again whole)."""
+        if not landed:
+            return set()
+        per_block = len(self.heads) if self._by_head else 1  # units are heads of blocks
+        valid = {unit // per_block for chunk in landed for unit in chunk}
+        valid.discard(landed[-1][-1] // per_block)
+        return valid
+
+    def _recv_ended(self, req_id: str) -> None:
+        """Every part of the request ended here: report it once. If a part failed after
+        some of its chunks landed, the request is reported received with the blocks not
+        filled as load errors (vLLM keeps the prefix before the first of them and
+        recomputes the rest); if nothing usable landed, it is reported failed."""
+        del self._recv_left[req_id]
+        blocks = self._recv_blocks.pop(req_id, [])
+        valid = self._recv_valid.pop(req_id, None)
+        if req_id not in self._recv_bad:
+            self._ended_ok.add(req_id)
+            return
+        self._recv_bad.discard(req_id)
+        missing = [b for b in blocks if b not in valid]
+        if blocks and len(missing) < len(blocks):
+            self._load_errors.update(missing)
+            self.metrics.count("partial_loads")
+            self.metrics.count("load_error_blocks", len(missing))
+            self._ended_ok.add(req_id)
+        else:
+            self._ended_failed.add(req_id)
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        """Consumer: blocks of requests reported received in this step's
+        get_finished that a failed transfer did not fill (vLLM recomputes from the
+        first of them)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ------------------------------------------------------------------ completion
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Set[str], Set[str], Set[str]]:
+        """(finished_sending, finished_recving, failed_recving) as vLLM request ids: the
+        requests whose every part ended here, failed if nothing usable landed."""
+        done, failed = self.conn.get_finished()
+        if done or failed:
+            self.metrics.touch()
+        recving, bad = self._ended_ok | self._ended_failed, set(self._ended_failed)
+        self._ended_ok, self._ended_failed = set(), set()
+        for tid in done | failed:
+            req_id = self._recv_tid_to_req.pop(tid, None)
+            valid = self._valid_blocks(self.conn.landed_chunks(tid)) if tid in failed else None
+            if req_id is None:
+                self._early[tid] = tid in done
+                if valid is not None:
+                    self._part_valid[tid] = valid
+                if len(self._early) > 10_000:  # a transfer no request here ever claims
+                    dropped, _ = self._early.popitem(last=False)
+                    self._part_valid.pop(dropped, None)
+                    log.warning("transfer %s ended but no request here claimed it", dropped)
+                continue
+            log.debug("transfer %s landed (%s) at %.4f", tid, "ok" if tid in done else "failed",
+                      time.monotonic())
+            if valid is not None:
+                self._part_failed(req_id, valid)
+            left = self._recv_left[req_id]
+            left.discard(tid)
+            if not left:
+                self._recv_ended(req_id)
+        recving |= self._ended_ok | self._ended_failed
+        bad |= self._ended_failed
+        self._ended_ok, self._ended_failed = set(), set()
+        return set(), recving, bad

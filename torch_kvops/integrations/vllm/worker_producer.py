@@ -1,0 +1,206 @@
+"""Prefill worker: turns each step's PushReqs into this rank's parts (tp.py), pushes
+them layer by layer from vLLM's save_kv_layer, and reports a request's blocks free
+(finished_sending) once no push reads them."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Dict, List, Optional, Set, Tuple
+
+from ...plan import TransferRequest
+from .metadata import KvopsConnectorMetadata, KvopsSettings
+from .tp import part_id, plan_parts
+from .worker import KvopsWorker
+
+log = logging.getLogger(__name__)
+
+
+class ProducerWorker(KvopsWorker):
+    """P's worker side, one per tensor-parallel rank."""
+
+    role = "producer"
+
+    def __init__(self, settings: KvopsSettings, num_blocks: int, total_kv_heads: int = 1,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(settings, num_blocks, total_kv_heads, tp_rank, tp_size)
+        self._step_mode: Optional[str] = None  # push mode of the running step, if any
+        self._step_tids: List[str] = []
+        self._step_started = 0.0  # time.monotonic() when the running step was handed over
+        self._steps: deque = deque(maxlen=256)  # recent push steps, for recent_steps()
+        self._peers: Dict[str, str] = {}  # consumer engine id -> peer id
+        self._dead_peers: Dict[str, str] = {}  # consumer engine id -> why add_peer failed
+        # per request id
+        self._tid_to_req: Dict[str, str] = {}  # part id -> request id
+        self._parts: Dict[str, Set[str]] = {}  # request id -> its parts not yet ended
+        self._parts_seen: Dict[str, Set[str]] = {}  # request id -> every part it had
+        self._last_started: Set[str] = set()  # the last chunk was handed to start_step
+        self._outcome: Set[str] = set()  # the producer reported finished or failed
+        self._sched_finished: Dict[str, float] = {}  # finished by the scheduler, since
+        self._known: Set[str] = set()  # requests with pushes: their blocks wait for us
+
+    def begin_step(self, meta: KvopsConnectorMetadata) -> None:
+        requests, modes = [], set()
+        for push in meta.push:
+            self._known.add(push.req_id)
+            parts = self._parts.setdefault(push.req_id, set())
+            seen = self._parts_seen.setdefault(push.req_id, set())
+            for part in self._plan(push):
+                if part is None:  # a decode rank unreachable: that part failed
+                    self.metrics.count("failed_decode_unreachable")
+                    continue
+                if part.req_id not in seen:  # an ended part is not waited for again
+                    seen.add(part.req_id)
+                    parts.add(part.req_id)
+                    self._tid_to_req[part.req_id] = push.req_id
+                requests.append(part)  # the connector drops chunks of a failed part
+            if not parts:  # nothing of it to send from this rank, or nowhere to send it
+                self._parts.pop(push.req_id)
+                self._outcome.add(push.req_id)
+                continue
+            if push.last_chunk:
+                self._last_started.add(push.req_id)
+            modes.add(push.push_mode)
+        if requests:
+            log.debug("start_step %s at %.4f", [r.req_id for r in requests], time.monotonic())
+            self._step_started = time.monotonic()
+            self.conn.start_step(requests)
+            # one mode per step: a step holding any after-forward request pushes after
+            # the forward (a per-request split would need two steps' worth of pushes)
+            self._step_mode = "after_forward" if "after_forward" in modes else "layerwise"
+            self._step_tids = sorted({p.transfer_id for p in meta.push})
+
+    def _plan(self, push) -> List[Optional[TransferRequest]]:
+        """This rank's parts of one chunk: per decode rank it sends heads to, the units
+        of those heads in the chunk's blocks (None for a rank that cannot be reached)."""
+        decode_tp = len(push.peers)
+        by_head = all(p.get("by_head") for p in push.peers) and self._by_head
+        if not by_head and (decode_tp != self.tp_size or not self._by_head and self.tp_size != 1):
+            raise ValueError(f"request {push.req_id}: different tensor-parallel sizes ({self.tp_size} "
+                             f"-> {decode_tp}) need head-addressable caches on both sides")
+        out: List[Optional[TransferRequest]] = []
+        if not by_head:  # whole blocks, rank to rank
+            peer = self._peer(push.peers[self.tp_rank])
+            out.append(None if peer is None else TransferRequest(
+                part_id(push.transfer_id, self.tp_rank, self.tp_rank), peer, push.src_blocks,
+                push.dst_blocks, last_chunk=push.last_chunk))
+            return out
+        for plan in plan_parts(self.total_kv_heads, self.tp_size, self.tp_rank, decode_tp):
+            peer = self._peer(push.peers[plan.decode_rank])
+            if peer is None:
+                out.append(None)
+                continue
+            src, dst = plan.units(push.src_blocks, push.dst_blocks)
+            out.append(TransferRequest(part_id(push.transfer_id, self.tp_rank, plan.decode_rank),
+                                       peer, src, dst, last_chunk=push.last_chunk))
+        return out
+
+    def _peer(self, info: dict) -> Optional[str]:
+        """The peer id of a decode instance, connecting on first use; None if it cannot
+        be reached (remembered, so later chunks do not stall the engine again)."""
+        engine_id = info["engine_id"]
+        peer = self._peers.get(engine_id)
+        if peer is None and engine_id not in self._dead_peers:
+            try:
+                peer = self.conn.add_peer(info)  # bounded by control_timeout_s and retries
+            except (ConnectionError, OSError) as exc:
+                log.error("decode instance %s unreachable, its requests fail: %s", engine_id, exc)
+                self._dead_peers[engine_id] = str(exc)
+                return None
+            self._peers[engine_id] = peer
+        return peer
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if self._step_mode != "layerwise":
+            return
+        for index, view in self._views[layer_name]:
+            self.conn.save_kv_layer(index, view)
+
+    def wait_for_save(self) -> None:
+        if self._step_mode is None:
+            return
+        forward_done_at = time.monotonic()
+        t0 = time.perf_counter()
+        try:
+            if self._step_mode == "after_forward":
+                for index, view in self._all_views:
+                    self.conn.save_kv_layer(index, view)
+            self.conn.wait_for_save(timeout=self.settings.step_timeout_s)
+        finally:
+            t1 = time.perf_counter()
+            log.debug("step %s: forward done %.4f, pushes landed %.4f", self._step_tids,
+                      forward_done_at, time.monotonic())
+            trace = self.conn.last_step_trace()
+            last = max(trace, key=lambda t: t["landed"]) if trace else None
+            self._steps.append({
+                "transfer_ids": self._step_tids, "push_mode": self._step_mode,
+                "started_at": self._step_started, "forward_done_at": forward_done_at,
+                # what the engine waited for after its forward: the transfer not hidden
+                "exposed_after_forward_s": t1 - t0,
+                "last_layer_transfer_s": (last["landed"] - last["event_ready"]) if last else None,
+                # first layer's KV ready -> last layer landed: the whole transfer when
+                # pushed after the forward
+                "push_span_s": (last["landed"] - min(t["event_ready"] for t in trace)) if last else None,
+                "layers_pushed": len(trace)})
+            self.metrics.on_step(trace, t1 - t0)
+            self._step_mode = None
+
+    def recent_steps(self, transfer_id: Optional[str] = None) -> List[dict]:
+        """Timings of recent push steps (all, or those carrying ``transfer_id``)."""
+        return [s for s in self._steps if transfer_id is None or transfer_id in s["transfer_ids"]]
+
+    # ------------------------------------------------------------------ completion
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Set[str], Set[str], Set[str]]:
+        """(finished_sending, finished_recving, failed_recving) as vLLM request ids: the
+        requests whose blocks no push reads any more."""
+        done, failed = self.conn.get_finished()
+        if done or failed:
+            self.metrics.touch()
+        for tid in done | failed:
+            req_id = self._tid_to_req.pop(tid, None)
+            if req_id is not None:
+                if tid in failed:
+                    log.warning("push of request %s (transfer %s) failed", req_id, tid)
+                parts = self._parts.get(req_id)
+                if parts is not None:
+                    parts.discard(tid)
+                    if parts:
+                        continue  # other parts of it may still read its blocks
+                    del self._parts[req_id]
+                self._outcome.add(req_id)
+        now = time.monotonic()
+        for req_id in set(finished_req_ids) & self._known:
+            self._sched_finished.setdefault(req_id, now)
+            if req_id not in self._last_started:
+                self._abort_parts(req_id)
+        # Blocks may be freed once the scheduler finished the request and no push can
+        # still read them: the producer reported it, or its last chunk was never started
+        # (aborted mid-prefill: every started step already returned; a write of it that
+        # failed may still read its source late, hence the quarantine).
+        quarantine = self.conn.config.quarantine_s
+        sending = {r for r, since in self._sched_finished.items()
+                   if r in self._outcome or (r not in self._last_started and now - since >= quarantine)}
+        for req_id in sending:
+            del self._sched_finished[req_id]
+            self._parts_seen.pop(req_id, None)
+            for tid in self._parts.pop(req_id, ()):  # aborted before its parts ended
+                self._tid_to_req.pop(tid, None)
+        self._outcome -= sending
+        self._last_started -= sending
+        self._known -= sending
+        return sending, set(), set()
+
+    def _abort_parts(self, req_id: str) -> None:
+        """Producer: the scheduler finished the request before its last chunk (aborted,
+        e.g. while preempted): its decode ranks learn now, not at lease expiry. No step
+        is sending (get_finished runs after wait_for_save), so an aborted part reads
+        none of the blocks the scheduler frees."""
+        parts = self._parts.get(req_id)
+        for tid in list(parts or ()):
+            if self.conn.abort(tid, "the prefill engine finished the request before its last chunk"):
+                parts.discard(tid)
+                self._tid_to_req.pop(tid, None)
+        if parts is not None and not parts:
+            del self._parts[req_id]
+            self._outcome.add(req_id)
