@@ -127,11 +127,17 @@ def test_preempted_prefills_are_pushed_again_and_end_once_on_each_side(engines):
 
 def test_without_the_push_after_preemption_decode_recomputes(engines):
     """Negative control of the test above: P pushes nothing more of a request once it
-    is preempted; D is told when P drops it, and must compute those prompts itself."""
+    is preempted; D is told when P drops it (abort: at once, not at lease expiry),
+    keeps what landed and must compute the rest itself. Outcomes stay exactly once."""
+    ends = {e: counters(engines.engines[e], "requests_finished") + counters(engines.engines[e], "requests_failed")
+            for e in "PD"}
     got = engines.run("skip_after_preemption")
     assert sum(got["preemptions"]) > 0, got
     assert all(got["tokens_match"]), "D recomputes what it did not receive"
     assert any(n > 1 for n in got["local_prompt_tokens"]), \
         f"no request lost its push after a preemption: the check above is blind ({got})"
+    for e in "PD":
+        total = counters(engines.engines[e], "requests_finished") + counters(engines.engines[e], "requests_failed")
+        assert total - ends[e] == len(PROMPT_LENS), (e, total - ends[e])
     blocks = engines.engines["P"].drain(60)
     assert blocks["idle"] and blocks["free_blocks"] == blocks["usable_blocks"], blocks
