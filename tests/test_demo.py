@@ -63,4 +63,4 @@ def test_without_the_capability_the_demo_says_it_runs_on_plain_loopback(monkeypa
     monkeypatch.setattr(emulated_link, "check_prerequisites", refuse)
     link, why = demo.choose_link("auto")
     assert link is None and why.startswith("plain loopback") and "needs root" in why
-    assert demo.choose_link("2.5gbit") == ("2.5gbit", "emulated link 2.5gbit (--link)")
+    assert demo.choose_link("2.5gbit") == ("2.5gbit", "emulated link 2.5gbit")

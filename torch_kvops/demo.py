@@ -332,7 +332,7 @@ def choose_link(choice: str) -> Tuple[Optional[str], str]:
     if choice == "none":
         return None, "plain loopback (--link none)"
     if choice != "auto":
-        return choice, f"emulated link {choice} (--link)"
+        return choice, f"emulated link {choice}"
     try:
         check_prerequisites()
     except LinkError as exc:
