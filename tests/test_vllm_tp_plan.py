@@ -109,6 +109,6 @@ def test_a_part_failed_part_way_keeps_only_blocks_filled_whole_by_every_part(loc
 def test_a_part_that_landed_nothing_fails_the_whole_request():
     w = _decode_worker(1, False)
     w._recv_left["r"], w._recv_blocks["r"] = {"a"}, [7, 3]
-    w._part_failed("r", w._valid_blocks([[7]]))  # its only landed block may be cut
+    w._part_failed("r", w._valid_blocks([[7], []]))  # its only landed block may be cut
     w._recv_ended("r")
     assert w._ended_failed == {"r"} and w.get_block_ids_with_load_errors() == set()

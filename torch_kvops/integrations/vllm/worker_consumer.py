@@ -82,6 +82,7 @@ class ConsumerWorker(KvopsWorker):
         """Blocks a failed part filled completely: those of the chunks that landed, but
         the last block of the last one, which a chunk boundary may have cut (the next
         chunk would have pushed it again whole)."""
+        landed = [chunk for chunk in landed if chunk]
         if not landed:
             return set()
         per_block = len(self.heads) if self._by_head else 1  # units are heads of blocks
