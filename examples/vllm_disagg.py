@@ -503,8 +503,6 @@ def main(argv: Optional[List[str]] = None) -> dict:
             out["last_layer"] = steps[-1]["last_layer_transfer_s"]
             out["p_chunks"] = len(steps)
             out["push_span"] = sum(s.get("push_span_s") or 0.0 for s in steps)
-            # P's first push step began: it waited this long for D's block ids
-            out["p_start"] = steps[0]["started_at"] - out["sent"] if "started_at" in steps[0] else None
             # P's forwards alone (bind -> wait_for_save), summed over its chunks
             out["p_forward"] = sum(s["forward_done_at"] - s["started_at"] for s in steps
                                    if "forward_done_at" in s)
@@ -532,7 +530,6 @@ def main(argv: Optional[List[str]] = None) -> dict:
                                         "prefill_done": round(out["p_ttft"], 5),
                                         "exposed": round(out["exposed"], 5),
                                         "push_span": round(out["push_span"], 5),
-                                        "p_start": out["p_start"] and round(out["p_start"], 5),
                                         "p_forward": round(out["p_forward"], 5),
                                         "round": rnd, "load1": os.getloadavg()[0]})
                         paired.setdefault((rnd, i), {})[mode] = out["ttft"]

@@ -24,6 +24,7 @@ then asking for a delay is refused.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import secrets
@@ -34,6 +35,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
+
+log = logging.getLogger(__name__)
 
 ENV_NAME = "KVOPS_LINK_NS"  # set for processes started inside the namespace
 ENV_SPEC = "KVOPS_LINK_SPEC"
@@ -139,11 +142,12 @@ def _apply_shape(spec: LinkSpec, netns: Optional[str]) -> None:
 def _has_capability(bit: int) -> bool:
     try:
         with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> bit & 1)
-    except OSError:
-        pass
+            status = f.read()
+    except OSError:  # no /proc: root is the only capable user we can tell
+        status = ""
+    for line in status.splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> bit & 1)
     return os.geteuid() == 0
 
 
@@ -178,7 +182,7 @@ def _kill_inside(name: str, timeout: float = 10.0) -> List[int]:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
-                pass
+                continue  # it exited since pids() listed it: what we wanted
         deadline = time.monotonic() + timeout
         while pids() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -329,8 +333,10 @@ def _end_session(child: subprocess.Popen, timeout: float = 15.0) -> None:
     else:  # the leader exited; its session's other processes may live on
         try:
             os.killpg(child.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        except ProcessLookupError:
+            return  # no process of its session is left
+        except PermissionError as exc:
+            log.warning("cannot end the rest of session %d: %s", child.pid, exc)
 
 
 # ---------------------------------------------------------------------- inside the link
