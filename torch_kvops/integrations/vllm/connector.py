@@ -89,6 +89,12 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
         return self.kv_role == "producer"
 
     @classmethod
+    def supports_sleep_mode(cls) -> bool:
+        """vLLM 0.33: no. The caches stay registered with the transport (and peers may
+        be writing into them), so vLLM must not release their memory while asleep."""
+        return False
+
+    @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
         # The push ops themselves are capturable, but vLLM calls save_kv_layer from
         # Python around the attention op, which full CUDA graphs skip on replay.

@@ -23,9 +23,19 @@ class KvopsSettings:
     host: address the Mooncake transport and control channel bind to.
     side_channel_host / side_channel_port: prefill side: where decode instances post the
         block ids they allocated (port 0 picks a free one; the proxy must know it).
-    wait_for_decode_s: prefill side: how long a request waits for its decode
-        destination before it is prefilled without push (the decode side then fails or
-        recomputes it when its lease expires).
+    late_binding: prefill side (default True): a request is scheduled at once, whatever
+        the order in which the router sends it to P and D; its blocks go to D as soon as
+        both their KV is written and D's destination arrived (docs/vllm.md). False gives
+        the D-first protocol: a request waits up to ``wait_for_decode_s`` for its
+        destination, then is prefilled without push.
+    hold_for_decode_s / max_held_requests: prefill side, late binding: a request that
+        finished before its destination arrived keeps its blocks at most this long, and
+        at most this many such requests are held (over either bound the oldest hold is
+        released; D recomputes when its lease ends). ``max_held_requests=0`` holds none.
+    wait_for_decode_s: prefill side, late binding off only: how long a request waits
+        for its decode destination before it is prefilled without push.
+    bootstrap_server_address: prefill side: ``host:port`` of the bootstrap endpoint
+        routers poll (vLLM MooncakeConnector's key, accepted so that its configs work).
     step_timeout_s: bound of wait_for_save per step.
     connector: ConnectorConfig fields (lease_s, transfer_timeout_s, ...).
     """
@@ -34,7 +44,11 @@ class KvopsSettings:
     host: str = "127.0.0.1"
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0
+    late_binding: bool = True
+    hold_for_decode_s: float = 30.0
+    max_held_requests: int = 64
     wait_for_decode_s: float = 10.0
+    bootstrap_server_address: Optional[str] = None
     post_timeout_s: float = 2.0
     post_retries: int = 2
     step_timeout_s: float = 120.0
@@ -51,6 +65,16 @@ class KvopsSettings:
         settings = KvopsSettings(**extra)
         if settings.push_mode not in PUSH_MODES:
             raise ValueError(f"push_mode must be one of {PUSH_MODES}, got {settings.push_mode!r}")
+        if not isinstance(settings.late_binding, bool):
+            raise ValueError(f"late_binding must be true or false, got {settings.late_binding!r}")
+        if not settings.hold_for_decode_s > 0:
+            raise ValueError(f"hold_for_decode_s must be > 0, got {settings.hold_for_decode_s!r}")
+        if not isinstance(settings.max_held_requests, int) or settings.max_held_requests < 0:
+            raise ValueError(f"max_held_requests must be an integer >= 0, got "
+                             f"{settings.max_held_requests!r}")
+        if settings.bootstrap_server_address is not None and not isinstance(
+                settings.bootstrap_server_address, str):
+            raise ValueError("bootstrap_server_address must be a host:port string")
         ConnectorConfig(**settings.connector)  # reject unknown fields now, not in the worker
         return settings
 
@@ -70,6 +94,9 @@ class PushReq:
     dst_blocks: List[int]
     last_chunk: bool
     push_mode: str
+    # the scheduler finished the request already (a late destination of a held
+    # request): its blocks are written, and freed once this push ended
+    finished: bool = False
 
 
 @dataclass
@@ -90,6 +117,9 @@ class KvopsConnectorMetadata(KVConnectorMetadata):
     def __init__(self) -> None:
         self.push: List[PushReq] = []
         self.recv: List[RecvReq] = []
+        # producer: held requests given up on (no destination within the bounds); the
+        # workers report them in finished_sending, so vLLM frees their blocks once
+        self.release: List[str] = []
 
 
 @dataclass

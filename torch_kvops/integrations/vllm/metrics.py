@@ -104,9 +104,37 @@ class KvopsConnectorStats(KVConnectorStats):
                            ("integrity_failures", "Integrity failures")):
             if self.data.get(key):
                 out[label] = int(self.data[key])
+        if self.data.get("holds"):
+            out["Held for a late destination"] = int(self.data["holds"])
         for cause, count in self.failures_by_cause().items():
             out[f"Failed ({cause})"] = int(count)
         return out
+
+
+class SchedulerCounts:
+    """Scheduler-side events (failures by cause, re-pushes after a preemption, holds),
+    handed to vLLM's stats once."""
+
+    def __init__(self) -> None:
+        self._counts: Dict[str, int] = {}
+
+    def failure(self, cause: str) -> None:
+        """One failure of ``cause`` (``vllm:kvops_failures{cause=...}``)."""
+        self.count(FAILURE_PREFIX + cause)
+
+    def count(self, key: str, n: int = 1) -> None:
+        """Add ``n`` (may be negative for ``held_change``) to counter ``key``."""
+        self._counts[key] = self._counts.get(key, 0) + n
+
+    def take(self) -> Optional[KvopsConnectorStats]:
+        """The counts since the last call, or None."""
+        counts = {k: v for k, v in self._counts.items() if v}
+        self._counts = {}
+        if not counts:
+            return None
+        stats = KvopsConnectorStats()
+        stats.data.update(counts)
+        return stats
 
 
 class StatsCollector:
@@ -178,6 +206,11 @@ class KvopsPromMetrics(KVConnectorPromMetrics):
                           "Transfers that failed part-way whose landed prefix was kept (decode)."),
         "load_error_blocks": ("vllm:kvops_load_error_blocks",
                               "Blocks reported to vLLM as not loaded, recomputed (decode)."),
+        "holds": ("vllm:kvops_holds",
+                  "Requests that finished on the prefill engine before their decode destination "
+                  "arrived, whose blocks it held (late binding)."),
+        "holds_pushed": ("vllm:kvops_holds_pushed",
+                         "Held requests pushed when their destination arrived (prefill)."),
     }
     _HISTOGRAMS = {
         "layer_transfer_s": ("vllm:kvops_layer_transfer_seconds",
@@ -202,6 +235,12 @@ class KvopsPromMetrics(KVConnectorPromMetrics):
                 self._histogram_cls(name=name, documentation=doc, buckets=buckets, labelnames=labelnames),
                 per_engine_labelvalues)
             for key, (name, doc, buckets) in self._HISTOGRAMS.items()}
+        # changes summed from held_change deltas (scheduler side), so aggregation is exact
+        self._held = create_metric_per_engine(
+            self._gauge_cls(name="vllm:kvops_held_requests", documentation=(
+                "Finished requests whose blocks the prefill engine holds for a late "
+                "destination."), labelnames=labelnames, multiprocess_mode="livesum"),
+            per_engine_labelvalues)
         self._failures = self._counter_cls(
             name="vllm:kvops_failures", documentation="Failed KV transfers by cause.",
             labelnames=[*labelnames, "cause"])
@@ -212,6 +251,8 @@ class KvopsPromMetrics(KVConnectorPromMetrics):
             value = transfer_stats_data.get(key)
             if value:
                 metric[engine_idx].inc(value)
+        if transfer_stats_data.get("held_change"):
+            self._held[engine_idx].inc(transfer_stats_data["held_change"])
         for key, metric in self._histograms.items():
             for sample in transfer_stats_data.get(key, ()):
                 metric[engine_idx].observe(sample)

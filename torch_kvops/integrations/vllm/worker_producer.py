@@ -1,6 +1,13 @@
 """Prefill worker: turns each step's PushReqs into this rank's parts (tp.py), pushes
 them layer by layer from vLLM's save_kv_layer, and reports a request's blocks free
-(finished_sending) once no push reads them."""
+(finished_sending) once no push reads them.
+
+A step may push blocks written by earlier steps (a destination that arrived late):
+they go with the step's forward, layer by layer, and in a step without a forward
+(vLLM runs one when only finished requests wait for their pushes) ``wait_for_save``
+pushes every layer the forward did not. On CUDA caches such a push records its layer
+event on the current stream after every kernel the engine queued before it, so it
+orders after the step that wrote the KV (not run here: no GPU)."""
 from __future__ import annotations
 
 import logging
@@ -38,11 +45,19 @@ class ProducerWorker(KvopsWorker):
         self._outcome: Set[str] = set()  # the producer reported finished or failed
         self._sched_finished: Dict[str, float] = {}  # finished by the scheduler, since
         self._known: Set[str] = set()  # requests with pushes: their blocks wait for us
+        self._step_pushed: Set[int] = set()  # cache indices pushed by the running step
+        self._step_reqs: Set[str] = set()  # requests with parts in the running step
+        self._released: Set[str] = set()  # holds the scheduler gave up: report them free
+        self._to_abort: Set[str] = set()  # finished before their last chunk: abort between steps
 
     def begin_step(self, meta: KvopsConnectorMetadata) -> None:
+        self._released.update(meta.release)
         requests, modes = [], set()
+        now = time.monotonic()
         for push in meta.push:
             self._known.add(push.req_id)
+            if push.finished:  # finished by the scheduler earlier, held for this push
+                self._sched_finished.setdefault(push.req_id, now)
             parts = self._parts.setdefault(push.req_id, set())
             seen = self._parts_seen.setdefault(push.req_id, set())
             for part in self._plan(push):
@@ -69,6 +84,8 @@ class ProducerWorker(KvopsWorker):
             # the forward (a per-request split would need two steps' worth of pushes)
             self._step_mode = "after_forward" if "after_forward" in modes else "layerwise"
             self._step_tids = sorted({p.transfer_id for p in meta.push})
+            self._step_pushed = set()
+            self._step_reqs = {p.req_id for p in meta.push}
 
     def _plan(self, push) -> List[Optional[TransferRequest]]:
         """This rank's parts of one chunk: per decode rank it sends heads to, the units
@@ -114,6 +131,7 @@ class ProducerWorker(KvopsWorker):
         if self._step_mode != "layerwise":
             return
         for index, view in self._views[layer_name]:
+            self._step_pushed.add(index)
             self.conn.save_kv_layer(index, view)
 
     def wait_for_save(self) -> None:
@@ -122,8 +140,10 @@ class ProducerWorker(KvopsWorker):
         forward_done_at = time.monotonic()
         t0 = time.perf_counter()
         try:
-            if self._step_mode == "after_forward":
-                for index, view in self._all_views:
+            # after-forward mode, or blocks written by earlier steps in a step without
+            # a forward: every layer not pushed yet goes now (its KV is written)
+            for index, view in self._all_views:
+                if index not in self._step_pushed:
                     self.conn.save_kv_layer(index, view)
             self.conn.wait_for_save(timeout=self.settings.step_timeout_s)
         finally:
@@ -144,6 +164,7 @@ class ProducerWorker(KvopsWorker):
                 "layers_pushed": len(trace)})
             self.metrics.on_step(trace, t1 - t0)
             self._step_mode = None
+            self._step_reqs = set()
 
     def recent_steps(self, transfer_id: Optional[str] = None) -> List[dict]:
         """Timings of recent push steps (all, or those carrying ``transfer_id``)."""
@@ -170,17 +191,25 @@ class ProducerWorker(KvopsWorker):
                     del self._parts[req_id]
                 self._outcome.add(req_id)
         now = time.monotonic()
+        # Model Runner V2 may collect these before wait_for_save: nothing of the running
+        # step is aborted or reported free until it ended (the next call does it)
+        stepping = self._step_mode is not None
         for req_id in set(finished_req_ids) & self._known:
             self._sched_finished.setdefault(req_id, now)
             if req_id not in self._last_started:
+                self._to_abort.add(req_id)
+        if not stepping:
+            for req_id in self._to_abort:
                 self._abort_parts(req_id)
+            self._to_abort.clear()
         # Blocks may be freed once the scheduler finished the request and no push can
         # still read them: the producer reported it, or its last chunk was never started
         # (aborted mid-prefill: every started step already returned; a write of it that
         # failed may still read its source late, hence the quarantine).
         quarantine = self.conn.config.quarantine_s
         sending = {r for r, since in self._sched_finished.items()
-                   if r in self._outcome or (r not in self._last_started and now - since >= quarantine)}
+                   if r not in self._step_reqs and r not in self._to_abort and (r in self._outcome or (
+                       r not in self._last_started and now - since >= quarantine))}
         for req_id in sending:
             del self._sched_finished[req_id]
             self._parts_seen.pop(req_id, None)
@@ -189,7 +218,8 @@ class ProducerWorker(KvopsWorker):
         self._outcome -= sending
         self._last_started -= sending
         self._known -= sending
-        return sending, set(), set()
+        released, self._released = self._released, set()  # never pushed: nothing reads them
+        return sending | released, set(), set()
 
     def _abort_parts(self, req_id: str) -> None:
         """Producer: the scheduler finished the request before its last chunk (aborted,

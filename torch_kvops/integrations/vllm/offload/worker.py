@@ -37,8 +37,11 @@ class KvopsOffloadingWorker(OffloadingWorker):
                          dst_spec.block_ids)
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        """Host chunks ``src_spec`` -> engine blocks ``dst_spec`` (asynchronous on devices)."""
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
+        """Host chunks ``src_spec`` -> engine blocks ``dst_spec`` (asynchronous on devices).
+        ``expedited`` (vLLM 0.33: a load the next forward waits for) changes nothing
+        here: loads are already issued at once, in submission order."""
         _check_specs("load", job_id, dst_spec, src_spec)
         self.mover.load(job_id, dst_spec.block_ids, dst_spec.group_sizes, dst_spec.block_indices,
                         src_spec.block_ids)

@@ -1,0 +1,152 @@
+"""D's scheduler side: claims a remote-prefilled prompt as an asynchronous external
+hit, allocates its blocks and posts them (the destination) to the request's prefill
+engine through the side channel; reports how many prompt tokens D computed itself."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+
+from .metadata import KvopsConnectorMetadata, KvopsSettings, RecvReq
+from .metrics import FAILURE_PREFIX, KvopsConnectorStats
+from .params import BadTransferParams, DecodeParams, decode_params
+from .side_channel import DestinationPoster
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class ConsumerScheduler:
+    """D side: claims the prompt as an asynchronous external hit, allocates, and posts
+    the destination to the request's prefill side."""
+
+    def __init__(self, settings: KvopsSettings, block_size: int) -> None:
+        self.settings, self.block_size = settings, block_size
+        self.poster = DestinationPoster(self._posted, settings.post_timeout_s, settings.post_retries)
+        self.peers: Optional[List[dict]] = None  # per-rank peer_info, from the workers' handshakes
+        # transfer id -> (request id, the blocks P fills), until P answered the post (the
+        # poster thread appends answers to _answers; the engine thread makes RecvReqs)
+        self._posting: Dict[str, Tuple[str, List[int]]] = {}
+        self._answers: "deque[Tuple[str, int]]" = deque()
+        self._new: List[RecvReq] = []
+        self._in_flight: Set[str] = set()  # P may still write into these requests' blocks
+        # prompt tokens D computed itself per remote-prefilled request (reported back in
+        # the output's kv_transfer_params: ~1 when the KV came from P, the whole prompt
+        # when it was recomputed)
+        self._local_prompt: Dict[str, Tuple["Request", int]] = {}
+        self.kv_cache_manager: Optional["KVCacheManager"] = None
+        self._post_failures_seen = 0
+        self._remote: Dict[str, DecodeParams] = {}  # validated, until its blocks are allocated
+        self._settled: Set[str] = set()  # posted or refused: never a second transfer
+        self._errors: Dict[str, str] = {}  # request id -> why its params were refused
+        self._bad_params = 0  # refused since the last stats
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
+                                   ) -> Tuple[int, bool]:
+        req_id = request.request_id
+        if req_id in self._settled:  # its one transfer was posted, or refused
+            return 0, False
+        remote = self._remote.get(req_id)
+        if remote is None:
+            try:
+                remote = decode_params(request.kv_transfer_params)
+            except BadTransferParams as exc:
+                log.error("request %s: bad kv_transfer_params (%s); computing the prompt locally",
+                          req_id, exc)
+                self._settled.add(req_id)
+                self._errors[req_id] = str(exc)
+                self._local_prompt[req_id] = (request, 0)
+                self._bad_params += 1
+                return 0, False
+            if remote is None:
+                return 0, False
+            self._remote[req_id] = remote
+        # The whole prompt comes from P; vLLM then recomputes the last prompt token to
+        # sample the first output token (num_computed_tokens = prompt_len - 1).
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        remote = self._remote.pop(request.request_id, None)
+        if remote is None:
+            return
+        self._settled.add(request.request_id)  # one transfer per request
+        if num_external_tokens == 0:
+            return
+        if self.peers is None:
+            raise RuntimeError("the decode workers sent no handshake (peer_info)")
+        tid = remote.transfer_id
+        log.debug("request %s: decode blocks allocated at %.4f", request.request_id, time.monotonic())
+        block_ids = list(self.kv_cache_manager.get_block_ids(request.request_id)[0])
+        # tokens before this are local prefix-cache hits on D: P need not push them
+        start_token = request.num_prompt_tokens - num_external_tokens
+        self._posting[tid] = (request.request_id, block_ids[start_token // self.block_size:])
+        self._in_flight.add(request.request_id)
+        # P's side channel (host:port) or its bootstrap endpoint (http://host:port),
+        # forwarded as the client gave it (validated by params.decode_params)
+        self.poster.post(remote.producer, {
+            "transfer_id": tid, "block_ids": block_ids, "start_token": start_token,
+            "peers": self.peers})
+        self._local_prompt[request.request_id] = (request, 0)
+
+    def _posted(self, tid: str, answer: Optional[dict]) -> None:
+        """Poster thread: P accepted the destination (its answer) or never will (None)."""
+        prefill_tp = 0
+        if answer is not None:
+            try:
+                prefill_tp = int(answer.get("prefill_tp", 1))
+            except (TypeError, ValueError):
+                log.error("transfer %s: prefill side answered a bad prefill_tp: %r", tid, answer)
+        self._answers.append((tid, prefill_tp))
+
+    def build_connector_meta(self, out: "SchedulerOutput", meta: KvopsConnectorMetadata) -> None:
+        while self._answers:
+            tid, prefill_tp = self._answers.popleft()
+            posted = self._posting.pop(tid, None)
+            if posted is not None:
+                self._new.append(RecvReq(posted[0], tid, prefill_tp, posted[1]))
+        meta.recv, self._new = self._new, []
+        for req_id, num_tokens in out.num_scheduled_tokens.items():
+            entry = self._local_prompt.get(req_id)
+            if entry is not None:
+                req, computed = entry
+                prompt_part = max(0, min(num_tokens, req.num_prompt_tokens - req.num_computed_tokens))
+                self._local_prompt[req_id] = (req, computed + prompt_part)
+
+    def request_finished(self, request: "Request") -> Tuple[bool, Optional[Dict[str, Any]]]:
+        req_id = request.request_id
+        self._remote.pop(req_id, None)
+        self._settled.discard(req_id)
+        entry = self._local_prompt.pop(req_id, None)
+        params = None if entry is None else {"kvops_local_prompt_tokens": entry[1]}
+        error = self._errors.pop(req_id, None)
+        if error is not None:
+            params["kvops_error"] = error
+        # Finished (e.g. aborted) while P may still push into its blocks: keep them until
+        # the worker reports the transfer over (finished_recving; its lease bounds it).
+        return request.request_id in self._in_flight, params
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        self._in_flight -= set(output.finished_recving or ())
+
+    def connector_stats(self) -> Optional[KvopsConnectorStats]:
+        failures = self.poster.failures  # counted by the poster thread
+        if failures == self._post_failures_seen and not self._bad_params:
+            return None
+        stats = KvopsConnectorStats()
+        if failures != self._post_failures_seen:
+            stats.data[FAILURE_PREFIX + "post_to_prefill"] = failures - self._post_failures_seen
+        if self._bad_params:
+            stats.data[FAILURE_PREFIX + "bad_transfer_params"] = self._bad_params
+        self._post_failures_seen, self._bad_params = failures, 0
+        return stats
+
+    def shutdown(self) -> None:
+        self.poster.close()

@@ -1,0 +1,255 @@
+"""P's scheduler side: binds each request to the destination D posted for it, and
+decides which blocks P pushes in each step.
+
+Late binding (``late_binding``, the default): P schedules a request at once. Every
+step, before the plan is handed to the workers, the destinations that arrived meanwhile
+are bound; a bound request then pushes what is written by the end of the step:
+
+- bound before its first chunk: each chunk pushes its blocks layer by layer as the
+  forward writes them;
+- bound between two chunks (or before its last step): the next step pushes the blocks
+  written so far together with that step's chunk, layer by layer alongside the forward
+  (one plan per step: a destination arriving during a step is bound at the next one);
+- bound after P finished the request: P kept its blocks (``request_finished`` returned
+  True) and the next step pushes all of them; when no request is scheduled, vLLM still
+  runs a step without a forward, and the workers push every layer in ``wait_for_save``.
+
+A finished request waits for its destination at most ``hold_for_decode_s``, and at most
+``max_held_requests`` wait: over either bound the oldest hold is released (the workers
+report it in ``finished_sending`` so vLLM frees its blocks once; D recomputes when its
+lease ends). ``late_binding=False`` gives the D-first protocol: a request is not
+scheduled before its destination arrived, at most ``wait_for_decode_s``.
+
+Preemption: the scheduler frees a preempted request's blocks and computes it again
+later; its pushes start again from D's first block with that recompute, so D ends with
+the KV of the pass that completed the prompt (every chunk pushed before the preemption
+had landed: a step's pushes end before the step does).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+
+from .metadata import KvopsConnectorMetadata, KvopsSettings, PushReq
+from .metrics import SchedulerCounts
+from .params import BadTransferParams, for_decode, prefill_params
+from .side_channel import DestinationServer
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _Push:
+    request: "Request"
+    transfer_id: str
+    push_mode: str
+    dst_blocks: Optional[List[int]] = None  # None until D's destination is bound
+    peers: Optional[List[dict]] = None
+    start_token: int = 0  # tokens before this are D's local prefix-cache hits: never pushed
+    pushed_tokens: int = 0  # tokens before this were pushed already
+    emitted: bool = False  # some chunk was handed to the worker
+    done: bool = False  # the last chunk was handed to the worker (or it never will be)
+    held_since: Optional[float] = None  # finished before its destination: blocks held
+    src_blocks: Optional[List[int]] = None  # a held request's blocks, as it finished
+
+    @property
+    def bound(self) -> bool:
+        return self.dst_blocks is not None
+
+
+class ProducerScheduler:
+    """P side: binds destinations as they arrive and plans per-step pushes."""
+
+    def __init__(self, settings: KvopsSettings, block_size: int, tp_size: int = 1) -> None:
+        self.settings, self.block_size = settings, block_size
+        self.server = DestinationServer(settings.side_channel_host, settings.side_channel_port,
+                                        facts={"prefill_tp": tp_size})
+        self._waiting: Dict[str, float] = {}  # late binding off: req_id -> wait deadline
+        self._no_push: Set[str] = set()
+        self._pushes: Dict[str, _Push] = {}  # scheduled requests with a transfer
+        self._held: "OrderedDict[str, _Push]" = OrderedDict()  # finished, unbound, oldest first
+        self._release: List[str] = []  # holds given up, for the next step's workers
+        self._releasing: Set[str] = set()  # ... until the workers reported them
+        self._awaiting_free: Set[str] = set()  # finished, blocks held until the push ends
+        self.kv_cache_manager: Optional["KVCacheManager"] = None
+        self.counts = SchedulerCounts()
+
+    # ------------------------------------------------------------------ admission
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
+                                   ) -> Tuple[Optional[int], bool]:
+        req_id = request.request_id
+        if req_id in self._pushes or req_id in self._no_push:
+            return 0, False
+        try:
+            params = prefill_params(request.kv_transfer_params)
+        except BadTransferParams as exc:
+            log.error("request %s: bad kv_transfer_params (%s); prefilling without push", req_id, exc)
+            self.counts.failure("bad_transfer_params")
+            self._no_push.add(req_id)
+            return 0, False
+        if params is None:
+            return 0, False
+        push = _Push(request, params.transfer_id, params.push_mode or self.settings.push_mode)
+        dest = self.server.take(params.transfer_id)
+        if dest is not None:
+            self._bind(push, dest)
+        elif not self.settings.late_binding:
+            deadline = self._waiting.setdefault(req_id, time.monotonic() + self.settings.wait_for_decode_s)
+            if time.monotonic() < deadline:
+                return None, False  # ask again next step; the engine loop goes on
+            log.error("request %s (transfer %s): no decode destination within %.1f s; "
+                      "prefilling without push", req_id, push.transfer_id, self.settings.wait_for_decode_s)
+            self._waiting.pop(req_id, None)
+            self._no_push.add(req_id)
+            self.counts.failure("no_destination")
+            return 0, False
+        self._waiting.pop(req_id, None)
+        self._pushes[req_id] = push
+        return 0, False
+
+    def _bind(self, push: _Push, dest: dict) -> None:
+        log.debug("request %s: destination bound at %.4f", push.request.request_id, time.monotonic())
+        push.dst_blocks, push.peers = dest["block_ids"], dest["peers"]
+        push.start_token = push.pushed_tokens = int(dest["start_token"])
+
+    # ------------------------------------------------------------------ per step
+
+    def build_connector_meta(self, out: "SchedulerOutput", meta: KvopsConnectorMetadata) -> None:
+        for req_id in out.preempted_req_ids or ():
+            push = self._pushes.get(req_id)
+            if push is not None and push.bound and not push.done:
+                # its blocks are freed; the recompute pushes the prompt again from the start
+                push.pushed_tokens = push.start_token
+                self.counts.count("preempted_repushes")
+        for push in self._pushes.values():
+            if not push.bound:
+                dest = self.server.take(push.transfer_id)
+                if dest is not None:
+                    self._bind(push, dest)
+        for req_id, push in self._pushes.items():
+            if push.bound and not push.done:
+                req = push.request
+                # written by the end of this step: computed before it, plus its chunk
+                written = req.num_computed_tokens + out.num_scheduled_tokens.get(req_id, 0)
+                src = list(self.kv_cache_manager.get_block_ids(req_id)[0])
+                self._plan(push, min(written, req.num_prompt_tokens), src, meta)
+        self._push_held(meta)
+        self._expire_holds(time.monotonic())
+        meta.release, self._release = self._release, []
+
+    def _plan(self, push: _Push, end: int, src: List[int], meta: KvopsConnectorMetadata,
+              finished: bool = False) -> None:
+        """Push the blocks of tokens [pushed_tokens, end) (a block cut by a chunk
+        boundary is pushed again with the next chunk, whole)."""
+        req = push.request
+        prompt = req.num_prompt_tokens
+        if end <= push.pushed_tokens and end < prompt:
+            return
+        first, last = push.pushed_tokens // self.block_size, _cdiv(end, self.block_size)
+        if last > len(push.dst_blocks) or last > len(src):
+            log.error("request %s: decode side gave %d blocks, %d needed; not pushing",
+                      req.request_id, len(push.dst_blocks), last)
+            self.counts.failure("too_few_decode_blocks")
+            push.done = True
+            return
+        push.pushed_tokens = end
+        push.done = end >= prompt
+        push.emitted = True
+        meta.push.append(PushReq(req.request_id, push.transfer_id, push.peers, src[first:last],
+                                 push.dst_blocks[first:last], push.done, push.push_mode, finished))
+
+    def _push_held(self, meta: KvopsConnectorMetadata) -> None:
+        """Held requests whose destination arrived: every block at once."""
+        for req_id, push in list(self._held.items()):
+            dest = self.server.take(push.transfer_id)
+            if dest is None:
+                continue
+            del self._held[req_id]
+            self._bind(push, dest)
+            self._plan(push, push.request.num_prompt_tokens, push.src_blocks, meta, finished=True)
+            self.counts.count("held_change", -1)
+            if push.emitted:
+                self.counts.count("holds_pushed")
+                self._awaiting_free.add(req_id)  # the workers report it once pushed
+            else:  # not pushable (too few decode blocks): free it through the workers
+                self._release.append(req_id)
+                self._releasing.add(req_id)
+
+    def _expire_holds(self, now: float) -> None:
+        while self._held:
+            req_id, push = next(iter(self._held.items()))
+            if len(self._held) > self.settings.max_held_requests:
+                cause = "hold_overflow"
+            elif now - push.held_since > self.settings.hold_for_decode_s:
+                cause = "hold_expired"
+            else:
+                return
+            del self._held[req_id]
+            log.warning("request %s (transfer %s): no decode destination %s; its blocks are "
+                        "freed (the decode side recomputes)", req_id, push.transfer_id,
+                        f"within {self.settings.hold_for_decode_s:.1f} s" if cause == "hold_expired"
+                        else f"while {self.settings.max_held_requests} requests were held")
+            self.counts.failure(cause)
+            self.counts.count("held_change", -1)
+            self._release.append(req_id)
+            self._releasing.add(req_id)
+
+    # ------------------------------------------------------------------ completion
+
+    def request_finished(self, request: "Request") -> Tuple[bool, Optional[Dict[str, Any]]]:
+        req_id = request.request_id
+        self._waiting.pop(req_id, None)
+        self._no_push.discard(req_id)
+        push = self._pushes.pop(req_id, None)
+        if push is None:
+            return False, None
+        answer = for_decode(push.transfer_id, self.server.address)  # for nixl-mode routers
+        if push.emitted:
+            # The worker reports it in finished_sending once its last push returned.
+            self._awaiting_free.add(req_id)
+            return True, answer
+        prefilled = request.num_computed_tokens >= request.num_prompt_tokens
+        if (self.settings.late_binding and not push.bound and not push.done and prefilled
+                and self.settings.max_held_requests > 0):
+            push.held_since = time.monotonic()
+            push.src_blocks = list(self.kv_cache_manager.get_block_ids(req_id)[0])
+            self._held[req_id] = push
+            self.counts.count("holds")
+            self.counts.count("held_change", 1)
+            self._expire_holds(push.held_since)  # the count bound, at once
+            return True, answer
+        return False, answer
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        sending = set(output.finished_sending or ())
+        self._awaiting_free -= sending
+        self._releasing -= sending
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._awaiting_free or self._held or self._releasing)
+
+    @property
+    def held(self) -> int:
+        """Finished requests whose blocks wait for their destination."""
+        return len(self._held)
+
+    def connector_stats(self):
+        """Scheduler-side counts since the last call (metrics.py), or None."""
+        return self.counts.take()
+
+    def shutdown(self) -> None:
+        self.server.close()
