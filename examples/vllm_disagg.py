@@ -183,8 +183,9 @@ def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
 
 def kvops_metrics(engine) -> dict:
     """The connector's metrics as the engine exports them (needs disable_log_stats=False):
-    counters as numbers, histograms as {count, sum}; labelled ones as name{label=value}."""
-    from vllm.v1.metrics.reader import Counter, Histogram
+    counters and gauges as numbers, histograms as {count, sum}; labelled ones as
+    name{label=value}."""
+    from vllm.v1.metrics.reader import Counter, Gauge, Histogram
 
     out = {}
     for metric in engine.get_metrics():
@@ -192,7 +193,7 @@ def kvops_metrics(engine) -> dict:
             continue
         extra = {k: v for k, v in metric.labels.items() if k not in ("model_name", "engine")}
         name = metric.name + "".join(f"{{{k}={v}}}" for k, v in sorted(extra.items()))
-        if isinstance(metric, Counter):
+        if isinstance(metric, (Counter, Gauge)):
             out[name] = metric.value
         elif isinstance(metric, Histogram):
             out[name] = {"count": metric.count, "sum": metric.sum}

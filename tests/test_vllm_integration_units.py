@@ -124,6 +124,7 @@ class _Blocks:
 class _Out:
     def __init__(self, scheduled, preempted=()):
         self.num_scheduled_tokens = scheduled
+        self.total_num_scheduled_tokens = sum(scheduled.values())
         self.preempted_req_ids = set(preempted)
 
 
@@ -137,10 +138,11 @@ def _wait_for_destination(sched, req, timeout=5.0):
 
 
 def test_prefill_scheduler_waits_for_its_destination_then_pushes_each_chunk():
+    """Late binding off (the D-first protocol)."""
     from torch_kvops.integrations.vllm.metadata import KvopsConnectorMetadata
     from torch_kvops.integrations.vllm.scheduler import ProducerScheduler
 
-    sched = ProducerScheduler(KvopsSettings(wait_for_decode_s=30), block_size=32)
+    sched = ProducerScheduler(KvopsSettings(late_binding=False, wait_for_decode_s=30), block_size=32)
     poster = DestinationPoster(_Results(), timeout_s=1.0, retries=0)
     try:
         sched.kv_cache_manager = _Blocks({"r": [10, 11, 12, 13]})
@@ -158,7 +160,10 @@ def test_prefill_scheduler_waits_for_its_destination_then_pushes_each_chunk():
         # a block cut by a chunk boundary (block 1 at token 40) goes again, whole
         assert pushes == [[([10, 11], [20, 21], False)], [([11, 12], [21, 22], False)],
                           [([12, 13], [22, 23], True)], []]
-        assert sched.request_finished(req) == (True, None)  # blocks held for the push
+        held, params = sched.request_finished(req)
+        assert held  # blocks held for the push
+        assert params == {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "t",
+                          "kvops_producer": sched.server.address}
         assert sched.has_pending_push_work()
 
         class _Output:
@@ -174,7 +179,7 @@ def test_a_preempted_prefill_pushes_again_from_the_start_with_its_recompute():
     from torch_kvops.integrations.vllm.metadata import KvopsConnectorMetadata
     from torch_kvops.integrations.vllm.scheduler import ProducerScheduler
 
-    sched = ProducerScheduler(KvopsSettings(wait_for_decode_s=30), block_size=32)
+    sched = ProducerScheduler(KvopsSettings(late_binding=False, wait_for_decode_s=30), block_size=32)
     poster = DestinationPoster(_Results(), timeout_s=1.0, retries=0)
     try:
         blocks = _Blocks({"r": [10, 11, 12, 13]})
@@ -208,7 +213,7 @@ def test_a_preempted_prefill_pushes_again_from_the_start_with_its_recompute():
 def test_prefill_scheduler_gives_up_waiting_within_its_bound():
     from torch_kvops.integrations.vllm.scheduler import ProducerScheduler
 
-    sched = ProducerScheduler(KvopsSettings(wait_for_decode_s=0.2), block_size=32)
+    sched = ProducerScheduler(KvopsSettings(late_binding=False, wait_for_decode_s=0.2), block_size=32)
     try:
         req = _Request("r", {"do_remote_decode": True, "transfer_id": "never"}, prompt=64)
         assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
@@ -232,7 +237,7 @@ def test_decode_scheduler_claims_the_prompt_posts_its_blocks_and_counts_local_to
         req = _Request("r", params, prompt=100)
         assert sched.get_num_new_matched_tokens(req, 0) == (100, True)
         sched.update_state_after_alloc(req, None, 100)
-        assert params["do_remote_prefill"] is False  # one transfer per request
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # one transfer per request
         # the workers hear of the request once P accepted it (P's answer names its TP size)
         recv = []
         deadline = time.monotonic() + 5

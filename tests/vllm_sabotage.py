@@ -14,7 +14,11 @@ prefill engine:
 - ``slow``: every push step begins 1.5 s late (a slow prefill, so that a test can
   act between two chunks);
 - ``skip_after_preemption``: the scheduler pushes nothing more of a request it
-  preempted (as if its pushes had ended).
+  preempted (as if its pushes had ended);
+- ``slow_steps``: every step that computes tokens takes 1.5 s longer (after its push
+  plan is made), so a test can post a destination between two chunks;
+- ``no_late_binding``: the scheduler runs with ``late_binding`` off (the feature
+  switched off, for negative controls).
 
 In a decode engine:
 
@@ -84,15 +88,26 @@ def install(process_name: str) -> None:
     build_connector_meta = vllm_scheduler.ProducerScheduler.build_connector_meta
 
     def sabotaged_build_connector_meta(self, out, meta):
-        if "skip_after_preemption" in modes():
+        how = modes()
+        if "skip_after_preemption" in how:
             for req_id in out.preempted_req_ids or ():
                 if req_id in self._pushes:
                     self._pushes[req_id].done = True
-        return build_connector_meta(self, out, meta)
+        result = build_connector_meta(self, out, meta)
+        if "slow_steps" in how and out.total_num_scheduled_tokens > 0:
+            time.sleep(1.5)
+        return result
+
+    matched = vllm_scheduler.ProducerScheduler.get_num_new_matched_tokens
+
+    def sabotaged_matched(self, request, num_computed_tokens):
+        self.settings.late_binding = "no_late_binding" not in modes()
+        return matched(self, request, num_computed_tokens)
 
     MooncakeTransport.write = sabotaged_write
     ProducerWorker.begin_step = sabotaged_begin_step
     vllm_scheduler.ProducerScheduler.build_connector_meta = sabotaged_build_connector_meta
+    vllm_scheduler.ProducerScheduler.get_num_new_matched_tokens = sabotaged_matched
 
 
 def install_decode() -> None:
