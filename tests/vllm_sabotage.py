@@ -101,7 +101,9 @@ def install(process_name: str) -> None:
     matched = vllm_scheduler.ProducerScheduler.get_num_new_matched_tokens
 
     def sabotaged_matched(self, request, num_computed_tokens):
-        self.settings.late_binding = "no_late_binding" not in modes()
+        if not hasattr(self, "_configured_late_binding"):
+            self._configured_late_binding = self.settings.late_binding
+        self.settings.late_binding = self._configured_late_binding and "no_late_binding" not in modes()
         return matched(self, request, num_computed_tokens)
 
     MooncakeTransport.write = sabotaged_write
