@@ -27,7 +27,6 @@ PROMPT_LEN = 700  # three chunks of BUDGET tokens on P
 BUDGET = 256
 NEW_TOKENS = 4
 HOLD_S = 3.0  # P holds a finished request's blocks this long for its destination
-WAIT_S = 1.0  # late binding off: P waits this long for a destination
 LEASE_S = 5.0  # D's lease
 
 
@@ -44,8 +43,9 @@ def pd():
     port = vllm_disagg.free_port()
     kvops = {"kv_connector": "KvopsLayerwiseConnector",
              "kv_connector_module_path": "torch_kvops.integrations.vllm"}
+    # no D-first wait (wait_for_decode_s 0, the default with late binding): P never
+    # waits for D, as a P-first router needs
     p_extra = {"side_channel_port": port, "hold_for_decode_s": HOLD_S, "max_held_requests": 4,
-               "wait_for_decode_s": WAIT_S,
                # vLLM MooncakeConnector's key: accepted (the endpoint itself is side_channel.py's)
                "bootstrap_server_address": "127.0.0.1:0",
                "connector": {"transfer_timeout_s": 5.0, "max_retries": 1, "quarantine_s": 0.2}}
@@ -179,7 +179,7 @@ def test_late_binding_switched_off_p_first_leaves_decode_to_recompute(pd):
     pd.switch.set("no_late_binding")
     try:
         pd.to_p(tid)
-        p_out = pd.p.wait_done(tid, 120)  # waited WAIT_S, prefilled without push
+        p_out = pd.p.wait_done(tid, 120)  # no destination yet: prefilled without push
         pd.to_d(tid)
         out = pd.d.wait_done(tid, 120)  # D's lease ends: it recomputes
     finally:

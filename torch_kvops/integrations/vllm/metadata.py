@@ -32,8 +32,12 @@ class KvopsSettings:
         finished before its destination arrived keeps its blocks at most this long, and
         at most this many such requests are held (over either bound the oldest hold is
         released; D recomputes when its lease ends). ``max_held_requests=0`` holds none.
-    wait_for_decode_s: prefill side, late binding off only: how long a request waits
-        for its decode destination before it is prefilled without push.
+    wait_for_decode_s: prefill side: how long a request waits for its decode
+        destination before P schedules it (the D-first wait). With late binding it is
+        then scheduled anyway and pushes when the destination comes: a short wait suits
+        a D-first proxy that sends P the request right after D (every chunk then goes
+        layer by layer), 0 (the default with late binding) a P-first router. Without
+        late binding (default 10 s) the request is then prefilled without push.
     bootstrap_server_address: prefill side: ``host:port`` of the bootstrap endpoint
         routers poll (vLLM MooncakeConnector's key, accepted so that its configs work).
     step_timeout_s: bound of wait_for_save per step.
@@ -47,12 +51,16 @@ class KvopsSettings:
     late_binding: bool = True
     hold_for_decode_s: float = 30.0
     max_held_requests: int = 64
-    wait_for_decode_s: float = 10.0
+    wait_for_decode_s: Optional[float] = None  # None: 0 with late binding, else 10
     bootstrap_server_address: Optional[str] = None
     post_timeout_s: float = 2.0
     post_retries: int = 2
     step_timeout_s: float = 120.0
     connector: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.wait_for_decode_s is None:
+            self.wait_for_decode_s = 0.0 if self.late_binding else 10.0
 
     @staticmethod
     def from_extra(extra: Optional[Dict[str, Any]]) -> "KvopsSettings":
@@ -67,6 +75,8 @@ class KvopsSettings:
             raise ValueError(f"push_mode must be one of {PUSH_MODES}, got {settings.push_mode!r}")
         if not isinstance(settings.late_binding, bool):
             raise ValueError(f"late_binding must be true or false, got {settings.late_binding!r}")
+        if not settings.wait_for_decode_s >= 0:
+            raise ValueError(f"wait_for_decode_s must be >= 0, got {settings.wait_for_decode_s!r}")
         if not settings.hold_for_decode_s > 0:
             raise ValueError(f"hold_for_decode_s must be > 0, got {settings.hold_for_decode_s!r}")
         if not isinstance(settings.max_held_requests, int) or settings.max_held_requests < 0:

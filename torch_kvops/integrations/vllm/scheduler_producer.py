@@ -17,8 +17,11 @@ are bound; a bound request then pushes what is written by the end of the step:
 A finished request waits for its destination at most ``hold_for_decode_s``, and at most
 ``max_held_requests`` wait: over either bound the oldest hold is released (the workers
 report it in ``finished_sending`` so vLLM frees its blocks once; D recomputes when its
-lease ends). ``late_binding=False`` gives the D-first protocol: a request is not
-scheduled before its destination arrived, at most ``wait_for_decode_s``.
+lease ends). ``wait_for_decode_s`` (0 by default with late binding) keeps a request
+out of the schedule until its destination arrived, at most that long, so that a
+D-first proxy gets every chunk pushed layer by layer. ``late_binding=False`` gives the
+D-first protocol alone: after ``wait_for_decode_s`` the request is prefilled without
+push.
 
 Preemption: the scheduler frees a preempted request's blocks and computes it again
 later; its pushes start again from D's first block with that recompute, so D ends with
@@ -107,16 +110,18 @@ class ProducerScheduler:
         dest = self.server.take(params.transfer_id)
         if dest is not None:
             self._bind(push, dest)
-        elif not self.settings.late_binding:
+        else:
             deadline = self._waiting.setdefault(req_id, time.monotonic() + self.settings.wait_for_decode_s)
             if time.monotonic() < deadline:
-                return None, False  # ask again next step; the engine loop goes on
-            log.error("request %s (transfer %s): no decode destination within %.1f s; "
-                      "prefilling without push", req_id, push.transfer_id, self.settings.wait_for_decode_s)
-            self._waiting.pop(req_id, None)
-            self._no_push.add(req_id)
-            self.counts.failure("no_destination")
-            return 0, False
+                return None, False  # the D-first wait: ask again next step; the engine goes on
+            if not self.settings.late_binding:
+                log.error("request %s (transfer %s): no decode destination within %.1f s; "
+                          "prefilling without push", req_id, push.transfer_id,
+                          self.settings.wait_for_decode_s)
+                self._waiting.pop(req_id, None)
+                self._no_push.add(req_id)
+                self.counts.failure("no_destination")
+                return 0, False
         self._waiting.pop(req_id, None)
         self._pushes[req_id] = push
         return 0, False
