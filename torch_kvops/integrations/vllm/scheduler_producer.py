@@ -150,20 +150,22 @@ class ProducerScheduler:
                 req = push.request
                 # written by the end of this step: computed before it, plus its chunk
                 written = req.num_computed_tokens + out.num_scheduled_tokens.get(req_id, 0)
-                src = list(self.kv_cache_manager.get_block_ids(req_id)[0])
-                self._plan(push, min(written, req.num_prompt_tokens), src, meta)
+                self._plan(push, min(written, req.num_prompt_tokens), None, meta)
         self._push_held(meta)
         self._expire_holds(time.monotonic())
         meta.release, self._release = self._release, []
 
-    def _plan(self, push: _Push, end: int, src: List[int], meta: KvopsConnectorMetadata,
+    def _plan(self, push: _Push, end: int, src: Optional[List[int]], meta: KvopsConnectorMetadata,
               finished: bool = False) -> None:
-        """Push the blocks of tokens [pushed_tokens, end) (a block cut by a chunk
-        boundary is pushed again with the next chunk, whole)."""
+        """Push the blocks of tokens [pushed_tokens, end) from ``src`` (None: the
+        request's blocks now); a block cut by a chunk boundary is pushed again with the
+        next chunk, whole."""
         req = push.request
         prompt = req.num_prompt_tokens
         if end <= push.pushed_tokens and end < prompt:
             return
+        if src is None:
+            src = list(self.kv_cache_manager.get_block_ids(req.request_id)[0])
         first, last = push.pushed_tokens // self.block_size, _cdiv(end, self.block_size)
         if last > len(push.dst_blocks) or last > len(src):
             log.error("request %s: decode side gave %d blocks, %d needed; not pushing",
