@@ -14,7 +14,6 @@ from torch_kvops.integrations.vllm.metadata import (
 from torch_kvops.integrations.vllm.params import (
     BadTransferParams, decode_params, prefill_params)
 from torch_kvops.integrations.vllm.scheduler import ConsumerScheduler, ProducerScheduler
-from torch_kvops.integrations.vllm.side_channel import DestinationServer
 
 
 class _Request:

@@ -4,7 +4,8 @@ context-sensitive test model with GQA (4 query heads, 2 KV heads). Engines: P2 a
 (producers, TP 2 and 1), D2 and D1 (consumers, TP 2 and 1); D1 also computes the
 reference tokens itself. Every pairing is checked on tokens, on D's whole KV against
 P's (all ranks merged, head by head), on D computing only the last prompt token, and on
-P freeing every block. Finally a prefill rank is killed mid-prefill: D recomputes.
+P freeing every block; also in vllm-router's order (P first: late binding pushes the
+held request from every rank). Finally a prefill rank is killed mid-prefill: D recomputes.
 (tests/test_vllm_negative_controls.py shows that these comparisons fail when bytes do
 not arrive.)"""
 import os
@@ -100,6 +101,26 @@ def test_tensor_parallel_pairs_move_every_head_of_every_chunk(cluster, pair):
     assert blocks["idle"] and blocks["free_blocks"] == blocks["usable_blocks"], blocks
     # no part of these requests failed on any decode rank
     assert counter_total(cluster.engines[d].ask("stats"), "requests_failed") == failed_before
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=[f"{p}-{d}" for p, d in PAIRS])
+def test_p_first_late_binding_pushes_a_held_request_from_every_rank(cluster, pair):
+    """P first (vllm-router's order): P finishes and holds the blocks; D gets P's
+    answer's kv_transfer_params and every rank pushes its parts without a forward."""
+    p, d = pair
+    i = PROMPT_LENS.index(max(PROMPT_LENS))
+    tid = f"p-first-{p}-{d}"
+    cluster.engines[p].submit([(tid, cluster.prompts[i], 1, {"do_remote_decode": True, "transfer_id": tid})])
+    p_out = cluster.engines[p].wait_done(tid, 300)
+    assert p_out["kvops_steps"] == []  # nothing pushed before D's destination
+    cluster.engines[d].submit([(tid, cluster.prompts[i], NEW_TOKENS, p_out["kv_transfer_params"])])
+    out = cluster.engines[d].wait_done(tid, 300)
+    assert out["tokens"] == cluster.reference[i]
+    assert vllm_disagg.local_prompt_tokens(out) == 1
+    kv = vllm_disagg.compare_kv(cluster.engines[p], cluster.engines[d], tid, PROMPT_LENS[i])
+    assert kv["match"], kv
+    blocks = cluster.engines[p].drain(30.0)
+    assert blocks["idle"] and blocks["free_blocks"] == blocks["usable_blocks"], blocks
 
 
 def test_a_killed_prefill_rank_makes_decode_recompute_within_its_lease(cluster):
