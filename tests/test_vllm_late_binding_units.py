@@ -379,3 +379,21 @@ def vars_of(base, name):
         if name in vars(klass):
             return vars(klass)[name]
     raise AttributeError(name)
+
+
+def test_an_unusable_destination_fails_its_request_alone(workers):
+    """A destination from the side channel whose peers the worker cannot use (here
+    without an engine id) is not pushed; the request is freed, the next one pushes."""
+    p, d, p_kv, d_kv = workers
+    meta = KvopsConnectorMetadata()
+    meta.push.append(PushReq("x", "tx", [{"nonsense": 1}], [1], [2], True, "layerwise", finished=True))
+    p.begin_step(meta)  # does not raise into the engine
+    p.wait_for_save()
+    assert p.get_finished(set())[0] == {"x"}
+    assert p.metrics.take(p.conn.stats).data["failed_bad_destination"] == 1
+    _recv(d, "r", "t", [5])
+    good = KvopsConnectorMetadata()
+    good.push.append(PushReq("r", "t", [d.peer_info()], [1], [5], True, "layerwise", finished=True))
+    p.begin_step(good)
+    p.wait_for_save()
+    assert _until(lambda: p.get_finished(set())[0]) == {"r"}

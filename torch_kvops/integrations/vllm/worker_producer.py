@@ -58,9 +58,17 @@ class ProducerWorker(KvopsWorker):
             self._known.add(push.req_id)
             if push.finished:  # finished by the scheduler earlier, held for this push
                 self._sched_finished.setdefault(push.req_id, now)
+            try:
+                planned = self._plan(push)
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                # the destination came over the side channel: a bad one fails this
+                # request alone (D recomputes it when its lease ends)
+                log.error("request %s: unusable decode destination, not pushed: %s", push.req_id, exc)
+                self.metrics.count("failed_bad_destination")
+                planned = []
             parts = self._parts.setdefault(push.req_id, set())
             seen = self._parts_seen.setdefault(push.req_id, set())
-            for part in self._plan(push):
+            for part in planned:
                 if part is None:  # a decode rank unreachable: that part failed
                     self.metrics.count("failed_decode_unreachable")
                     continue
