@@ -90,7 +90,7 @@ def _check_device(tensors: Sequence[torch.Tensor]) -> torch.device:
         raise OffloadConfigError(f"KV offloading: KV caches on {device.type} are not supported "
                                  "(cpu, cuda and npu are)")
     if device.type in STREAM_DEVICES:
-        from .. import build_info
+        from .._C import build_info
 
         if not build_info()[device.type]:
             raise OffloadConfigError(

@@ -17,7 +17,8 @@ def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, tran
                   device="cpu"):
     import torch
 
-    from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport
+    from ..connector import ConnectorConfig, LayerwiseConnector
+    from ..transports import MooncakeTransport
 
     try:
         caches = [torch.full((num_blocks, *block_shape), -7.0, device=device)
