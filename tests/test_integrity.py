@@ -120,6 +120,20 @@ def test_a_digest_made_without_the_key_is_refused_by_mac_only(monkeypatch, mode)
         assert finished == {"r"} and not failed and stats["integrity_failures"] == 0
 
 
+def test_a_chunk_without_the_digests_of_every_layer_fails(monkeypatch):
+    """A producer that skips one layer's digests: its bytes are intact, yet the layer
+    is unverified, so the request fails."""
+    submit = producer_module.DigestPipeline.submit
+
+    def skip_last_layer(self, peer, layer, req_blocks):
+        if layer != LAYERS - 1:
+            submit(self, peer, layer, req_blocks)
+
+    monkeypatch.setattr(producer_module.DigestPipeline, "submit", skip_last_layer)
+    finished, failed, stats, right = run("direct", None, consumer_check="checksum", producer_check=False)
+    assert all(right[:3]) and failed == {"r"} and not finished and stats["integrity_failures"] == 1
+
+
 def test_mac_digests_are_keyed_and_cover_every_layer():
     caches = [torch.randn(4, 8) for _ in range(3)]
     blocks = np.array([1, 2])
