@@ -34,8 +34,9 @@ TORCH_LIBRARY(kvops, m) {
 
   // A 128-bit checksum (four CRC-32C lanes, seeded by `seed`) of each block named in
   // block_ids (1-D int64, CPU) of `cache` (dim 0 = block, each block contiguous):
-  // uint8 [len(block_ids), 16]. Blocks are hashed in parallel (intra-op threads).
-  m.def("block_digests(Tensor cache, Tensor block_ids, int seed) -> Tensor");
+  // uint8 [len(block_ids), 16]. On the calling thread, or with `parallel` on torch's
+  // intra-op threads; the GIL is released either way.
+  m.def("block_digests(Tensor cache, Tensor block_ids, int seed, bool parallel=False) -> Tensor");
 }
 
 namespace {

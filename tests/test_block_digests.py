@@ -45,6 +45,7 @@ def test_values_match_the_reference(block_bytes):
     ids = torch.tensor([5, 0, 3, 3])
     got = torch.ops.kvops.block_digests(cache, ids, 7)
     assert got.shape == (4, 16) and got.dtype == torch.uint8
+    assert torch.equal(got, torch.ops.kvops.block_digests(cache, ids, 7, True))
     for k, b in enumerate(ids.tolist()):
         assert bytes(got[k].tolist()) == reference(bytes(cache[b].tolist()), 7)
 
@@ -72,7 +73,9 @@ def test_strided_blocks():
 
 def test_opcheck():
     cache = torch.randn(8, 4, 16)
-    torch.library.opcheck(torch.ops.kvops.block_digests.default, (cache, torch.tensor([1, 6, 2]), 3))
+    for parallel in (False, True):
+        torch.library.opcheck(torch.ops.kvops.block_digests.default,
+                              (cache, torch.tensor([1, 6, 2]), 3, parallel))
 
 
 def test_bad_input_is_refused_with_a_clear_error():
