@@ -9,6 +9,8 @@ catches it). A producer that digests with a key other than the consumer's (a wri
 who knows the bytes but not the key) is refused in "mac" mode and passes in
 "checksum" mode, which is documented as no protection against tampering.
 """
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -102,6 +104,8 @@ def test_intact_pushes_pass_the_check(path, consumer_check, producer_check):
     finished, failed, stats, right = run(path, None, consumer_check, producer_check)
     assert all(right) and finished == {"r"} and not failed
     assert stats["integrity_failures"] == 0 and stats["integrity_us"] > 0
+    left = [t.name for t in threading.enumerate() if t.name.startswith("kvops-digest")]
+    assert not left, f"the producer's digest worker outlived its connector: {left}"
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -70,7 +70,11 @@ class DigestPipeline:
         while self._pending:
             self._pending.popleft()[2].exception()
 
-    def close(self) -> None:
-        self.discard()
-        self._pool.shutdown(wait=True)
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker. ``wait=False`` where the sender thread may still run (it did
+        not stop in time): its pending jobs are left to it, and the worker ends after
+        the running one."""
+        if wait:
+            self.discard()
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)
 

@@ -413,8 +413,7 @@ class ProducerSide:
         self._sender.join(timeout)
         if self._sender.is_alive():
             problems.append("the sender thread did not stop within the close timeout")
-        else:
-            self._digests.close()
+        self._digests.close(wait=not self._sender.is_alive())
         self._fail_all_in_flight("connector closed")
         with self._ledger.lock:
             peers = list(self._peers.values())
