@@ -74,6 +74,8 @@ class ConsumerSide:
         # Verify digests sent by producers (integrity.py), made on first use; host caches only.
         self._caches = list(caches)
         self._digesters: Dict[str, BlockDigester] = {}
+        if config.integrity_mode != "off" and all(c.device.type == "cpu" for c in caches):
+            self._digester(config.integrity_mode)  # a missing dependency fails here, not mid-push
         self._verifier: Optional[Verifier] = None  # started on the first request to verify
         self._server = ControlServer(control_host, self._on_control, self._on_producer_gone,
                                      self._expire_leases, secret=self._secret,

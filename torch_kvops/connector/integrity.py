@@ -94,7 +94,11 @@ class MacDigester(BlockDigester):
 
     def __init__(self, caches: Sequence[torch.Tensor], key: bytes) -> None:
         super().__init__(caches)
-        import blake3  # a dependency of the "mac" mode only (requirements: blake3)
+        try:
+            import blake3  # a dependency of the "mac" mode only
+        except ImportError as exc:
+            raise ImportError("integrity_check='mac' needs the blake3 package "
+                              "(pip install 'torch_kvops[integrity]')") from exc
 
         self._blake3 = blake3.blake3
         self._layer_keys = [blake3.blake3(b"kvops layer %d" % i, key=key).digest()
