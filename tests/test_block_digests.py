@@ -4,7 +4,6 @@ import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 
