@@ -79,7 +79,7 @@ class ProducerSide:
         secret = info.get("secret")
         if not isinstance(secret, str) or not secret:
             raise ValueError("peer_info has no 'secret': pass the consumer's peer_info() unchanged "
-                             "(a consumer of protocol 2 always includes it)")
+                             "(a consumer of protocol 2 or later always includes it)")
         layout = KVLayout.from_json(info["layout"])
         self._layout.check_compatible(layout)
         with self._ledger.lock:
