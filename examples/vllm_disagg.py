@@ -392,8 +392,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ap.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of D")
     ap.add_argument("--compare-kv", action="store_true",
                     help="compare D's KV of each prompt with P's, block by block (first round)")
-    ap.add_argument("--integrity", action="store_true",
-                    help="turn on the connector's end-to-end integrity check on D")
+    ap.add_argument("--integrity", nargs="?", const="mac", default="off",
+                    choices=["off", "checksum", "mac"],
+                    help="the connector's end-to-end integrity check on D (bare flag: mac)")
     ap.add_argument("--engine-setup", default=None, metavar="MODULE:FUNCTION",
                     help="called in every engine process before its engine starts, with the "
                          "process name (instrumentation, fault injection in tests)")

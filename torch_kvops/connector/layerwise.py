@@ -64,8 +64,9 @@ class LayerwiseConnector:
         if len(devices) != 1:
             raise ValueError(f"all KV caches must be on one device, got {sorted(map(str, devices))}")
         device = next(iter(devices))
-        if self.config.integrity_check and device.type != "cpu":
-            raise ValueError("ConnectorConfig(integrity_check=True) needs host (CPU) KV caches; "
+        if self.config.integrity_mode != "off" and device.type != "cpu":
+            raise ValueError(f"ConnectorConfig(integrity_check={self.config.integrity_check!r}) "
+                             "needs host (CPU) KV caches; "
                              f"these are on {device}")
         caches = list(kv_caches)
         # CUDA caches go through pinned host staging: the transport never touches them.
