@@ -59,7 +59,8 @@ def engines():
     started = {
         "P": vllm_disagg.Engine("prefill", dict(base, kv_transfer_config=dict(
             kvops, kv_role="kv_producer",
-            kv_connector_extra_config={"side_channel_port": port, "connector": fast})), setup),
+            kv_connector_extra_config={"side_channel_port": port, "bootstrap_endpoint": False,
+                                       "connector": fast})), setup),
         "D": vllm_disagg.Engine("decode", consumer(False), setup),
         "DI": vllm_disagg.Engine("decode-integrity", consumer(True), setup)}
     try:

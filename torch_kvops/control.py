@@ -9,7 +9,9 @@ describes returned, and one connection keeps notices in order, so the consumer n
 hears "done" before the bytes are there.
 
 Trust: each consumer has a random secret that travels only inside its ``peer_info``
-(which the engine hands to the producer over its own channel). A connection proves it
+(which the engine hands to the producer over its own channel), or, with a fleet key,
+a secret derived from the key and the consumer's engine id (:func:`derived_secret`)
+that never travels at all. A connection proves it
 knows the secret before anything else it sends is read, and the consumer proves it
 too (challenge-response with HMAC-SHA256 over fresh random nonces from both sides, see
 :func:`proof`). The secret itself never crosses this channel and is never logged.
@@ -47,6 +49,14 @@ _NONCE_BYTES = 32
 def new_secret() -> str:
     """A fresh consumer secret (256 random bits, hex)."""
     return secrets.token_hex(32)
+
+
+def derived_secret(fleet_key: bytes, engine_id: str) -> str:
+    """The control secret of consumer ``engine_id`` under a fleet key (256 bits, hex):
+    every producer holding the key derives it, so it never has to travel."""
+    if len(fleet_key) < 32:
+        raise ValueError("the fleet key must hold at least 32 bytes")
+    return hmac.new(fleet_key, b"kvops-control|" + engine_id.encode(), hashlib.sha256).hexdigest()
 
 
 def proof(secret: str, role: str, own_nonce: str, other_nonce: str, producer: str) -> str:

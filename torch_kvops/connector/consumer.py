@@ -51,7 +51,7 @@ class ConsumerSide:
 
     def __init__(self, caches: Sequence[torch.Tensor], transport: Transport, config: ConnectorConfig,
                  ledger: RequestLedger, stats: ConnectorStats, control_host: str,
-                 can_stage: bool) -> None:
+                 can_stage: bool, secret: Optional[str] = None) -> None:
         self._config = config
         self._ledger = ledger
         self._stats = stats
@@ -63,8 +63,9 @@ class ConsumerSide:
         if can_stage:
             self._staging = ConsumerStaging(caches, transport, config.staging_slot_bytes,
                                             config.staging_slots, copy_timeout_s=config.event_timeout_s)
-        # Shared with producers only through peer_info(); never logged.
-        self._secret = new_secret()
+        # Shared with producers only through peer_info(), or derived from the fleet key
+        # by them (secret given); never logged.
+        self._secret = secret if secret is not None else new_secret()
         # Verifies digests sent by producers (integrity.py); host caches only.
         self._digester = (BlockDigester(caches, integrity_key(self._secret))
                           if all(c.device.type == "cpu" for c in caches) else None)

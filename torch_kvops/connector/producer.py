@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .. import ops
-from ..control import ControlClient
+from ..control import ControlClient, derived_secret
 from ..events import LayerEvents
 from ..plan import KVLayout, StepPlan, TransferRequest, layer_descriptors, validate_step
 from ..staging import ProducerStaging, StagingGrant
@@ -46,7 +46,7 @@ class ProducerSide:
 
     def __init__(self, engine_id: str, caches: Sequence[torch.Tensor], layout: KVLayout,
                  transport: Transport, config: ConnectorConfig, ledger: RequestLedger,
-                 stats: ConnectorStats, can_stage: bool) -> None:
+                 stats: ConnectorStats, can_stage: bool, fleet_key: Optional[bytes] = None) -> None:
         self._engine_id = engine_id
         self._caches = list(caches)
         self._layout = layout
@@ -55,6 +55,7 @@ class ProducerSide:
         self._ledger = ledger
         self._stats = stats
         self._can_stage = can_stage
+        self._fleet_key = fleet_key
         self._peers: Dict[str, PeerLink] = {}
         self._events = LayerEvents(len(caches), caches[0].device)
         for i, cache in enumerate(self._caches):
@@ -75,10 +76,19 @@ class ProducerSide:
         if info.get("transport") != self._transport.name:
             raise ValueError(f"peer uses transport {info.get('transport')!r}, this side "
                              f"{self._transport.name!r}")
-        secret = info.get("secret")
-        if not isinstance(secret, str) or not secret:
-            raise ValueError("peer_info has no 'secret': pass the consumer's peer_info() unchanged "
-                             "(a consumer of protocol 2 always includes it)")
+        if self._fleet_key is not None:
+            if info.get("auth") != "fleet":
+                raise ValueError(f"consumer {info.get('engine_id')!r} has no fleet key (its peer_info "
+                                 "carries its own secret): give every engine of the fleet the same key")
+            # derived, never sent (the consumer's proof in the handshake tells whether
+            # it derives the same one)
+            secret = derived_secret(self._fleet_key, str(info.get("engine_id")))
+        else:
+            secret = info.get("secret")
+            if not isinstance(secret, str) or not secret:
+                raise ValueError("peer_info has no 'secret': pass the consumer's peer_info() "
+                                 "unchanged, or give both sides the same fleet key (its "
+                                 "peer_info says \"auth\": \"fleet\")")
         layout = KVLayout.from_json(info["layout"])
         self._layout.check_compatible(layout)
         with self._ledger.lock:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from .metadata import PUSH_MODES, KvopsConnectorMetadata, KvopsSettings, PushReq, RecvReq
 from .metrics import FAILURE_PREFIX, KvopsConnectorStats
-from .side_channel import DestinationPoster, DestinationServer
+from .side_channel.engine import SideChannelCounts, start_poster, start_prefill_endpoints
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -63,8 +63,8 @@ class _SchedulerCounts:
     def __init__(self) -> None:
         self._counts: Dict[str, int] = {}
 
-    def failure(self, cause: str) -> None:
-        self.count(FAILURE_PREFIX + cause)
+    def failure(self, cause: str, n: int = 1) -> None:
+        self.count(FAILURE_PREFIX + cause, n)
 
     def count(self, key: str, n: int = 1) -> None:
         self._counts[key] = self._counts.get(key, 0) + n
@@ -81,10 +81,11 @@ class _SchedulerCounts:
 class ProducerScheduler:
     """P side: waits for each request's destination, then plans per-chunk pushes."""
 
-    def __init__(self, settings: KvopsSettings, block_size: int, tp_size: int = 1) -> None:
+    def __init__(self, settings: KvopsSettings, block_size: int, tp_size: int = 1,
+                 engine_id: str = "") -> None:
         self.settings, self.block_size = settings, block_size
-        self.server = DestinationServer(settings.side_channel_host, settings.side_channel_port,
-                                        facts={"prefill_tp": tp_size})
+        self.server, self.bootstrap = start_prefill_endpoints(settings, tp_size, engine_id)
+        self._side_counts = SideChannelCounts()
         self._waiting: Dict[str, float] = {}  # req_id -> deadline for its destination
         self._no_push: Set[str] = set()
         self._pushes: Dict[str, _Push] = {}
@@ -174,10 +175,15 @@ class ProducerScheduler:
         return bool(self._awaiting_free)
 
     def connector_stats(self) -> Optional[KvopsConnectorStats]:
+        self._side_counts.update(self.counts, self.server.counters(), "")
         return self.counts.take()
 
     def shutdown(self) -> None:
-        self.server.close()
+        try:
+            if self.bootstrap is not None:
+                self.bootstrap.close()
+        finally:
+            self.server.close()
 
 
 class ConsumerScheduler:
@@ -186,7 +192,7 @@ class ConsumerScheduler:
 
     def __init__(self, settings: KvopsSettings, block_size: int) -> None:
         self.settings, self.block_size = settings, block_size
-        self.poster = DestinationPoster(self._posted, settings.post_timeout_s, settings.post_retries)
+        self.poster = start_poster(settings, self._posted)
         self.peers: Optional[List[dict]] = None  # per-rank peer_info, from the workers' handshakes
         # transfer id -> (request id, the blocks P fills), until P answered the post (the
         # poster thread appends answers to _answers; the engine thread makes RecvReqs)
@@ -200,6 +206,7 @@ class ConsumerScheduler:
         self._local_prompt: Dict[str, Tuple["Request", int]] = {}
         self.kv_cache_manager: Optional["KVCacheManager"] = None
         self._post_failures_seen = 0
+        self._side_counts = SideChannelCounts()
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> Tuple[int, bool]:
@@ -273,13 +280,13 @@ class ConsumerScheduler:
         self._in_flight -= set(output.finished_recving or ())
 
     def connector_stats(self) -> Optional[KvopsConnectorStats]:
-        failures = self.poster.failures  # counted by the poster thread
-        if failures == self._post_failures_seen:
-            return None
-        stats = KvopsConnectorStats()
-        stats.data[FAILURE_PREFIX + "post_to_prefill"] = failures - self._post_failures_seen
-        self._post_failures_seen = failures
-        return stats
+        counts = _SchedulerCounts()
+        failures = self.poster.failures  # counted by the poster threads
+        if failures != self._post_failures_seen:
+            counts.failure("post_to_prefill", failures - self._post_failures_seen)
+            self._post_failures_seen = failures
+        self._side_counts.update(counts, self.poster.counters(), "post_")
+        return counts.take()
 
     def shutdown(self) -> None:
         self.poster.close()

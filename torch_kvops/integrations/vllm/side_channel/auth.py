@@ -29,6 +29,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from ....control import derived_secret
+
 log = logging.getLogger(__name__)
 
 FLEET_KEY_ENV = "KVOPS_FLEET_KEY_FILE"
@@ -67,7 +69,7 @@ def load_fleet_key(path: Optional[str]) -> Optional[bytes]:
 def control_secret(fleet_key: bytes, engine_id: str) -> str:
     """The control-channel secret of the consumer ``engine_id`` (hex, 256 bits):
     producers holding the fleet key derive it; nobody else can."""
-    return hmac.new(fleet_key, b"kvops-control|" + engine_id.encode(), hashlib.sha256).hexdigest()
+    return derived_secret(fleet_key, engine_id)
 
 
 def _mac(key: bytes, role: str, ts: str, nonce: str, reply_to: str, body: str) -> str:
