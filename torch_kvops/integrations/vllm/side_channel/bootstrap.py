@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socketserver
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Dict, Tuple
@@ -76,6 +77,12 @@ class _Server(ThreadingHTTPServer):
         self._slots = threading.BoundedSemaphore(max_clients)
         self.refused = 0
         super().__init__(address, _Handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind looks our name up in DNS (getfqdn), which can hang
+        # where resolution is slow; the name is never used here.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
 
     def process_request(self, request, client_address) -> None:
         if not self._slots.acquire(blocking=False):

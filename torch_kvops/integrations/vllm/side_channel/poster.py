@@ -243,7 +243,8 @@ class DestinationPoster:
             payload, nonce = json.dumps(message).encode() + b"\n", ""
         with socket.create_connection((host, port), timeout=self._timeout_s) as raw:
             sock = raw
-            if self._tls is not None:
+            if self._tls is not None:  # the handshake counts against the same deadline
+                raw.settimeout(max(0.001, deadline - time.monotonic()))
                 sock = self._tls.wrap_socket(raw, server_hostname=host)
             try:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
