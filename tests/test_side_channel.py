@@ -452,3 +452,25 @@ def test_with_a_fleet_key_peer_info_carries_no_secret_and_kv_still_moves():
         for transport in transports:
             transport.close()
         consumer.stop()
+
+
+def test_side_channel_counts_reach_the_schedulers_stats():
+    from torch_kvops.integrations.vllm.scheduler import ConsumerScheduler, ProducerScheduler
+    prefill = ProducerScheduler(KvopsSettings(bootstrap_endpoint=False), block_size=16)
+    decode = ConsumerScheduler(KvopsSettings(post_timeout_s=1.0, post_retries=0), block_size=16)
+    try:
+        decode.poster.post(prefill.server.address, dict(DEST, transfer_id="ok"))
+        decode.poster.post("nocolon", dict(DEST, transfer_id="bad"))
+        assert ask(prefill.server.address, b"garbage\n") == b"bad"
+        deadline = time.monotonic() + 5
+        while decode.poster.counters()["posted"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        p = prefill.connector_stats().data
+        assert p["side_channel_accepted"] == 1 and p["side_channel_malformed"] == 1
+        d = decode.connector_stats().data
+        assert d["side_channel_post_posted"] == 1 and d["side_channel_post_bad_address"] == 1
+        assert d["failed_post_to_prefill"] == 1
+        assert prefill.connector_stats() is None and decode.connector_stats() is None  # deltas
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
