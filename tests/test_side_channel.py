@@ -189,7 +189,7 @@ def test_poster_queues_and_peers_are_bounded_and_idle_workers_end():
         for i in range(5):
             results.wait_for(f"q{i}", timeout=10)
         deadline = time.monotonic() + 3.0
-        while any(t.name.startswith("kvops-poster") for t in threading.enumerate()):
+        while any(t.name == f"kvops-poster-{dead}" for t in threading.enumerate()):
             assert time.monotonic() < deadline, "an idle poster worker did not end"
             time.sleep(0.05)
     finally:

@@ -17,7 +17,6 @@ import json
 import logging
 import queue
 import socket
-import ssl
 import threading
 import time
 from typing import Callable, Dict, Optional, Tuple
