@@ -474,3 +474,55 @@ def test_side_channel_counts_reach_the_schedulers_stats():
     finally:
         decode.shutdown()
         prefill.shutdown()
+
+
+def test_control_channel_over_mutual_tls_moves_kv_and_refuses_plain_producers(pki):
+    """Real processes, real Mooncake: with control_tls on both sides (and the fleet key)
+    the handshake and notices run over TLS; a producer without TLS is refused."""
+    import torch
+
+    from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
+    from torch_kvops.testing.consumer_process import ConsumerProcess
+
+    fast = dict(transfer_timeout_s=3.0, max_retries=0, retry_backoff_s=0.02, lease_s=10.0,
+                control_timeout_s=2.0, quarantine_s=0.1)
+    consumer = ConsumerProcess(2, 16, (2, 8, 16), fleet_key=KEY, control_tls=pki, **fast)
+    transports, conns = [], []
+
+    def producer(tls):
+        transport = MooncakeTransport(host="127.0.0.1")
+        transports.append(transport)
+        caches = [torch.randn(16, 2, 8, 16) for _ in range(2)]
+        conn = LayerwiseConnector("producer", transport, ConnectorConfig(**fast), fleet_key=KEY,
+                                  control_tls=tls)
+        conns.append(conn)
+        conn.register_kv_caches(caches)
+        return conn, caches
+
+    try:
+        plain, _ = producer(None)
+        with pytest.raises(ConnectionError):
+            plain.add_peer(consumer.info)
+        deadline = time.monotonic() + 5
+        while consumer.call("stats")["control_auth_failed"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert consumer.call("stats")["control_auth_failed"] >= 1
+        conn, caches = producer(pki)
+        peer = conn.add_peer(consumer.info)
+        for i, (src, dst) in enumerate([([1, 2], [5, 9]), ([3], [11])]):
+            consumer.call("expect", [f"r{i}"])
+            conn.start_step([TransferRequest(f"r{i}", peer, src, dst)])
+            for layer, cache in enumerate(caches):
+                conn.save_kv_layer(layer, cache)
+            conn.wait_for_save(timeout=30)
+            finished, failed, _ = consumer.call("wait", [f"r{i}"], 10.0)
+            assert finished == {f"r{i}"} and not failed
+            received = consumer.call("caches")
+            for layer in range(2):
+                assert np.array_equal(received[layer][dst], caches[layer][src].numpy())
+    finally:
+        for conn in conns:
+            conn.close()
+        for transport in transports:
+            transport.close()
+        consumer.stop()

@@ -26,6 +26,7 @@ import torch
 
 from ..control import ControlServer, Session, new_secret
 from ..staging import ConsumerStaging
+from ..tls import TlsFiles
 from ..transports.base import Transport
 from .config import ConnectorConfig
 from .integrity import BlockDigester, integrity_key
@@ -51,7 +52,7 @@ class ConsumerSide:
 
     def __init__(self, caches: Sequence[torch.Tensor], transport: Transport, config: ConnectorConfig,
                  ledger: RequestLedger, stats: ConnectorStats, control_host: str,
-                 can_stage: bool, secret: Optional[str] = None) -> None:
+                 can_stage: bool, secret: Optional[str] = None, tls: Optional[TlsFiles] = None) -> None:
         self._config = config
         self._ledger = ledger
         self._stats = stats
@@ -72,7 +73,8 @@ class ConsumerSide:
         self._verifier: Optional[Verifier] = None  # started on the first request to verify
         self._server = ControlServer(control_host, self._on_control, self._on_producer_gone,
                                      self._expire_leases, secret=self._secret,
-                                     send_timeout_s=config.control_timeout_s)
+                                     send_timeout_s=config.control_timeout_s,
+                                     tls=tls.server_context() if tls is not None else None)
 
     @property
     def control_address(self) -> str:

@@ -17,6 +17,7 @@ from ..plan import KVLayout, TransferRequest
 from ..staging import uniform_block
 from ..transports.base import Transport, TransportError
 from ..control import derived_secret
+from ..tls import TlsFiles
 from .config import PROTOCOL_VERSION, ConnectorConfig
 from .consumer import ConsumerSide
 from .ledger import ConnectorStats, RequestLedger
@@ -37,7 +38,8 @@ class LayerwiseConnector:
     """
 
     def __init__(self, role: str, transport: Transport, config: Optional[ConnectorConfig] = None,
-                 *, control_host: Optional[str] = None, fleet_key: Optional[bytes] = None) -> None:
+                 *, control_host: Optional[str] = None, fleet_key: Optional[bytes] = None,
+                 control_tls: Optional[TlsFiles] = None) -> None:
         if role not in ("producer", "consumer"):
             raise ValueError(f"role must be 'producer' or 'consumer', got {role!r}")
         self.role = role
@@ -47,6 +49,7 @@ class LayerwiseConnector:
         self._control_host = control_host or transport.address().rsplit(":", 1)[0]
         # With a fleet key, control secrets are derived (control.derived_secret), never sent.
         self._fleet_key = fleet_key
+        self._control_tls = control_tls  # mutual TLS on the control channel
         self._caches: List[torch.Tensor] = []
         self._layout: Optional[KVLayout] = None
         self._registered: List[int] = []
@@ -94,12 +97,13 @@ class LayerwiseConnector:
         if self.role == "producer":
             self._side = ProducerSide(self.engine_id, self._caches, self._layout, self.transport,
                                       self.config, self._ledger, self._stats, self._can_stage(),
-                                      fleet_key=self._fleet_key)
+                                      fleet_key=self._fleet_key, tls=self._control_tls)
         else:
             self._side = ConsumerSide(self._caches, self.transport, self.config, self._ledger,
                                       self._stats, self._control_host, self._can_stage(),
                                       secret=(derived_secret(self._fleet_key, self.engine_id)
-                                              if self._fleet_key is not None else None))
+                                              if self._fleet_key is not None else None),
+                                      tls=self._control_tls)
         log.info("%s %s registered %d KV layers", self.role, self.engine_id, len(self._caches))
 
     def _can_stage(self) -> bool:

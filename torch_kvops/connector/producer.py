@@ -22,6 +22,7 @@ from ..control import ControlClient, derived_secret
 from ..events import LayerEvents
 from ..plan import KVLayout, StepPlan, TransferRequest, layer_descriptors, validate_step
 from ..staging import ProducerStaging, StagingGrant
+from ..tls import TlsFiles
 from ..transports.base import Transport
 from .config import PROTOCOL_VERSION, ConnectorConfig
 from .integrity import BlockDigester, ChunkDigests, integrity_key
@@ -46,7 +47,8 @@ class ProducerSide:
 
     def __init__(self, engine_id: str, caches: Sequence[torch.Tensor], layout: KVLayout,
                  transport: Transport, config: ConnectorConfig, ledger: RequestLedger,
-                 stats: ConnectorStats, can_stage: bool, fleet_key: Optional[bytes] = None) -> None:
+                 stats: ConnectorStats, can_stage: bool, fleet_key: Optional[bytes] = None,
+                 tls: Optional[TlsFiles] = None) -> None:
         self._engine_id = engine_id
         self._caches = list(caches)
         self._layout = layout
@@ -56,6 +58,7 @@ class ProducerSide:
         self._stats = stats
         self._can_stage = can_stage
         self._fleet_key = fleet_key
+        self._tls = tls.client_context() if tls is not None else None
         self._peers: Dict[str, PeerLink] = {}
         self._events = LayerEvents(len(caches), caches[0].device)
         for i, cache in enumerate(self._caches):
@@ -105,7 +108,7 @@ class ProducerSide:
             known.close()
         control = ControlClient(info["control_address"], timeout_s=self._config.control_timeout_s,
                                 retries=self._config.max_retries,
-                                backoff_s=self._config.retry_backoff_s)
+                                backoff_s=self._config.retry_backoff_s, tls=self._tls)
         control.connect()
         # Mutual: we prove we know the secret, and refuse a consumer that cannot prove it.
         welcome = control.handshake(secret, self._engine_id, self._can_stage)

@@ -69,7 +69,8 @@ class KvopsWorker:
         self.transport = MooncakeTransport(host=settings.host)
         try:
             self.conn = LayerwiseConnector(self.role, self.transport, settings.connector_config(),
-                                           fleet_key=settings.fleet_key())
+                                           fleet_key=settings.fleet_key(),
+                                           control_tls=settings.side_channel_security()[1])
         except BaseException:
             self.transport.close()
             raise

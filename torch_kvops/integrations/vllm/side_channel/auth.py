@@ -22,14 +22,13 @@ import json
 import logging
 import os
 import secrets
-import ssl
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ....control import derived_secret
+from ....tls import TlsFiles, tls_files  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -141,41 +140,6 @@ class FleetAuth:
                 raise AuthError("replay_cache_full", f"{self._max_nonces} nonces in the window")
             # a stale check at +skew and a replay check over 2*skew cover every timestamp
             self._seen[nonce] = now + 2 * self.skew_s
-
-
-@dataclass
-class TlsFiles:
-    """PEM files for TLS on the side channel: this engine's certificate and key, and
-    the CA that signed the fleet's certificates (both sides verify each other)."""
-
-    cert_file: str
-    key_file: str
-    ca_file: str
-
-    def server_context(self) -> ssl.SSLContext:
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.load_cert_chain(self.cert_file, self.key_file)
-        ctx.load_verify_locations(self.ca_file)
-        ctx.verify_mode = ssl.CERT_REQUIRED  # mutual: only fleet members connect
-        return ctx
-
-    def client_context(self) -> ssl.SSLContext:
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the server and its name
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.load_cert_chain(self.cert_file, self.key_file)
-        ctx.load_verify_locations(self.ca_file)
-        return ctx
-
-
-def tls_files(cert_file: str, key_file: str, ca_file: str) -> Optional[TlsFiles]:
-    """TlsFiles when all three are given, None when none is; an error otherwise."""
-    given = [bool(cert_file), bool(key_file), bool(ca_file)]
-    if not any(given):
-        return None
-    if not all(given):
-        raise ValueError("side-channel TLS needs tls_cert_file, tls_key_file and tls_ca_file together")
-    return TlsFiles(cert_file, key_file, ca_file)
 
 
 def warn_unauthenticated(what: str) -> None:
