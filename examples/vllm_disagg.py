@@ -445,6 +445,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
              "kv_connector_module_path": "torch_kvops.integrations.vllm"}
     prefill_cfg = dict(kvops, kv_role="kv_producer", kv_connector_extra_config={
         "side_channel_port": side_port, "wait_for_decode_s": 10.0, "step_timeout_s": 15.0,
+        "bootstrap_endpoint": False,  # our proxy posts to the side channel itself
         "connector": {"transfer_timeout_s": 5.0, "max_retries": 1, "quarantine_s": 0.2}})
     decode_cfg = dict(kvops, kv_role="kv_consumer", kv_load_failure_policy="recompute",
                       kv_connector_extra_config={"connector": {"lease_s": args.lease_s,

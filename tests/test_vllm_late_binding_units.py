@@ -69,7 +69,8 @@ def producer():
     made = []
 
     def make(**settings):
-        sched = ProducerScheduler(KvopsSettings(**settings), block_size=32)
+        sched = ProducerScheduler(KvopsSettings(**dict({"bootstrap_endpoint": False}, **settings)),
+                                  block_size=32)
         sched.kv_cache_manager = _Blocks({"r": [10, 11, 12, 13], "s": [14, 15, 16, 17]})
         made.append(sched)
         return sched

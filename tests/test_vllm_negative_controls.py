@@ -63,6 +63,7 @@ def engines():
         "P": vllm_disagg.Engine("prefill", dict(base, kv_transfer_config=dict(
             kvops, kv_role="kv_producer",
             kv_connector_extra_config={"side_channel_port": port, "wait_for_decode_s": 10.0,  # D first
+                                       "bootstrap_endpoint": False,
                                        "connector": fast})), setup),
         "D": vllm_disagg.Engine("decode", consumer(False), setup),
         "DI": vllm_disagg.Engine("decode-integrity", consumer("checksum"), setup)}

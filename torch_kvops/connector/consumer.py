@@ -26,6 +26,7 @@ import torch
 
 from ..control import ControlServer, Session, new_secret
 from ..staging import ConsumerStaging
+from ..tls import TlsFiles
 from ..transports.base import Transport
 from .config import INTEGRITY_MODES, ConnectorConfig
 from .integrity import DIGEST_BYTES, BlockDigester, make_digester
@@ -55,7 +56,7 @@ class ConsumerSide:
 
     def __init__(self, caches: Sequence[torch.Tensor], transport: Transport, config: ConnectorConfig,
                  ledger: RequestLedger, stats: ConnectorStats, control_host: str,
-                 can_stage: bool) -> None:
+                 can_stage: bool, secret: Optional[str] = None, tls: Optional[TlsFiles] = None) -> None:
         self._config = config
         self._ledger = ledger
         self._stats = stats
@@ -67,8 +68,9 @@ class ConsumerSide:
         if can_stage:
             self._staging = ConsumerStaging(caches, transport, config.staging_slot_bytes,
                                             config.staging_slots, copy_timeout_s=config.event_timeout_s)
-        # Shared with producers only through peer_info(); never logged.
-        self._secret = new_secret()
+        # Shared with producers only through peer_info(), or derived from the fleet key
+        # by them (secret given); never logged.
+        self._secret = secret if secret is not None else new_secret()
         # Verify digests sent by producers (integrity.py), made on first use; host caches only.
         self._caches = list(caches)
         self._digesters: Dict[str, BlockDigester] = {}
@@ -77,7 +79,8 @@ class ConsumerSide:
         self._verifier: Optional[Verifier] = None  # started on the first request to verify
         self._server = ControlServer(control_host, self._on_control, self._on_producer_gone,
                                      self._expire_leases, secret=self._secret,
-                                     send_timeout_s=config.control_timeout_s)
+                                     send_timeout_s=config.control_timeout_s,
+                                     tls=tls.server_context() if tls is not None else None)
 
     @property
     def control_address(self) -> str:

@@ -18,10 +18,11 @@ import numpy as np
 import torch
 
 from .. import ops
-from ..control import ControlClient
+from ..control import ControlClient, derived_secret
 from ..events import LayerEvents
 from ..plan import KVLayout, StepPlan, TransferRequest, layer_descriptors, validate_step
 from ..staging import ProducerStaging, StagingGrant
+from ..tls import TlsFiles
 from ..transports.base import Transport
 from .config import PROTOCOL_VERSION, ConnectorConfig
 from .digest_pipeline import DigestPipeline
@@ -46,7 +47,8 @@ class ProducerSide:
 
     def __init__(self, engine_id: str, caches: Sequence[torch.Tensor], layout: KVLayout,
                  transport: Transport, config: ConnectorConfig, ledger: RequestLedger,
-                 stats: ConnectorStats, can_stage: bool) -> None:
+                 stats: ConnectorStats, can_stage: bool, fleet_key: Optional[bytes] = None,
+                 tls: Optional[TlsFiles] = None) -> None:
         self._engine_id = engine_id
         self._caches = list(caches)
         self._layout = layout
@@ -55,6 +57,8 @@ class ProducerSide:
         self._ledger = ledger
         self._stats = stats
         self._can_stage = can_stage
+        self._fleet_key = fleet_key
+        self._tls = tls.client_context() if tls is not None else None
         self._peers: Dict[str, PeerLink] = {}
         self._events = LayerEvents(len(caches), caches[0].device)
         for i, cache in enumerate(self._caches):
@@ -76,10 +80,19 @@ class ProducerSide:
         if info.get("transport") != self._transport.name:
             raise ValueError(f"peer uses transport {info.get('transport')!r}, this side "
                              f"{self._transport.name!r}")
-        secret = info.get("secret")
-        if not isinstance(secret, str) or not secret:
-            raise ValueError("peer_info has no 'secret': pass the consumer's peer_info() unchanged "
-                             "(a consumer of protocol 2 or later always includes it)")
+        if self._fleet_key is not None:
+            if info.get("auth") != "fleet":
+                raise ValueError(f"consumer {info.get('engine_id')!r} has no fleet key (its peer_info "
+                                 "carries its own secret): give every engine of the fleet the same key")
+            # derived, never sent (the consumer's proof in the handshake tells whether
+            # it derives the same one)
+            secret = derived_secret(self._fleet_key, str(info.get("engine_id")))
+        else:
+            secret = info.get("secret")
+            if not isinstance(secret, str) or not secret:
+                raise ValueError("peer_info has no 'secret': pass the consumer's peer_info() "
+                                 "unchanged, or give both sides the same fleet key (its "
+                                 "peer_info says \"auth\": \"fleet\")")
         layout = KVLayout.from_json(info["layout"])
         self._layout.check_compatible(layout)
         with self._ledger.lock:
@@ -96,7 +109,7 @@ class ProducerSide:
             known.close()
         control = ControlClient(info["control_address"], timeout_s=self._config.control_timeout_s,
                                 retries=self._config.max_retries,
-                                backoff_s=self._config.retry_backoff_s)
+                                backoff_s=self._config.retry_backoff_s, tls=self._tls)
         control.connect()
         # Mutual: we prove we know the secret, and refuse a consumer that cannot prove it.
         welcome = control.handshake(secret, self._engine_id, self._can_stage)

@@ -64,7 +64,8 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
         self._worker: Optional[KvopsWorker] = None
         if role == KVConnectorRole.SCHEDULER:
             block_size = vllm_config.cache_config.block_size
-            self._scheduler = (ProducerScheduler(self.settings, block_size, parallel.tensor_parallel_size)
+            self._scheduler = (ProducerScheduler(self.settings, block_size, parallel.tensor_parallel_size,
+                                                 engine_id=self._kv_transfer_config.engine_id or "")
                                if self.kv_role == "producer" else ConsumerScheduler(self.settings, block_size))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

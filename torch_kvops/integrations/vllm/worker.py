@@ -68,7 +68,9 @@ class KvopsWorker:
         self._by_head = False  # units are heads of blocks (tp.py), else whole blocks
         self.transport = MooncakeTransport(host=settings.host)
         try:
-            self.conn = LayerwiseConnector(self.role, self.transport, settings.connector_config())
+            self.conn = LayerwiseConnector(self.role, self.transport, settings.connector_config(),
+                                           fleet_key=settings.fleet_key(),
+                                           control_tls=settings.side_channel_security()[1])
         except BaseException:
             self.transport.close()
             raise
