@@ -222,7 +222,6 @@ def test_bad_params_cost_their_request_only_on_both_schedulers(producer):
         assert not held and params["kvops_local_prompt_tokens"] == 64
         assert "host:port" in params["kvops_error"]
         assert d.connector_stats().data["failed_bad_transfer_params"] == 1
-        assert d.poster._thread.is_alive()
     finally:
         d.shutdown()
 
