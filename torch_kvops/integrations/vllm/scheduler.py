@@ -153,8 +153,10 @@ class ProducerScheduler:
             push.pushed_tokens = end
             push.done = end >= prompt
             push.emitted = True
+            base = push.start_token // self.block_size  # D's first block P fills
             meta.push.append(PushReq(req_id, push.transfer_id, push.peers, src[first:last],
-                                     push.dst_blocks[first:last], push.done, push.push_mode))
+                                     push.dst_blocks[first:last], push.done, push.push_mode,
+                                     block_offset=first - base, total_blocks=len(push.dst_blocks) - base))
 
     def request_finished(self, request: "Request") -> Tuple[bool, Optional[Dict[str, Any]]]:
         req_id = request.request_id
