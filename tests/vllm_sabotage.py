@@ -62,29 +62,19 @@ def install(process_name: str) -> None:
     from torch_kvops.integrations.vllm.worker_producer import ProducerWorker
     from torch_kvops.transports.mooncake import MooncakeTransport
 
-    from torch_kvops.connector import producer as connector_producer
+    from torch_kvops.connector.peer import PeerLink
 
     write = MooncakeTransport.write
-    dropped_sources = set()  # source addresses of the second layer's descriptors
-    layer_descriptors = connector_producer.layer_descriptors
-    register_kv_caches = ProducerWorker.register_kv_caches
-    second_layer_base = []
+    write_layer = PeerLink.write_layer
 
-    def recording_register_kv_caches(self, kv_caches):
-        register_kv_caches(self, kv_caches)
-        second_layer_base.append(self._all_views[1][1].data_ptr())
-
-    def recording_layer_descriptors(local, peer, src_blocks, dst_blocks):
-        out = layer_descriptors(local, peer, src_blocks, dst_blocks)
-        if "drop_layer" in modes() and local.base in second_layer_base:
-            dropped_sources.update(int(a) for a in out[0])
-        return out
+    def sabotaged_write_layer(self, layer, *args, **kwargs):
+        if "drop_layer" in modes() and layer == 1:
+            return 0, None
+        return write_layer(self, layer, *args, **kwargs)
 
     def sabotaged_write(self, peer, src, dst, lengths, **kwargs):
         how = modes()
         if "drop" in how:
-            return None
-        if "drop_layer" in how and len(src) and int(src[0]) in dropped_sources:
             return None
         if "shift" in how:
             dst = [int(d) + 4096 for d in dst]
@@ -111,8 +101,7 @@ def install(process_name: str) -> None:
         return build_connector_meta(self, out, meta)
 
     MooncakeTransport.write = sabotaged_write
-    ProducerWorker.register_kv_caches = recording_register_kv_caches
-    connector_producer.layer_descriptors = recording_layer_descriptors
+    PeerLink.write_layer = sabotaged_write_layer
     ProducerWorker.begin_step = sabotaged_begin_step
     vllm_scheduler.ProducerScheduler.build_connector_meta = sabotaged_build_connector_meta
 
