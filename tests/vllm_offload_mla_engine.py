@@ -25,6 +25,7 @@ import tempfile
 import time
 
 ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core here: collective_rpc takes functions
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "TOKENIZERS_PARALLELISM": "false",
