@@ -61,3 +61,59 @@ def test_bad_segments_and_mla_with_pipeline_parallelism_are_refused():
     check_tp(1, 2, True, 1)  # MLA with TP is accepted
     with pytest.raises(ValueError, match="pipeline_parallel_size"):
         check_tp(1, 2, True, 2)
+
+
+class _Conn:
+    def __init__(self):
+        self.expected = []
+
+    def expect(self, tid):
+        self.expected.append(tid)
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_producer_chunks_and_consumer_expectations_agree(p_tp, d_tp):
+    """The workers' side of the plan (no transport): every prefill rank's
+    TransferRequests over two chunks of a 5-block request (block 2 cut by the chunk
+    boundary, so pushed twice) deliver every block to every decode rank, parts with
+    no block in a chunk go out empty (so the last chunk ends them), and each decode
+    rank expects exactly the parts sent to it."""
+    from torch_kvops.integrations.vllm.metadata import PushReq
+    from torch_kvops.integrations.vllm.worker_consumer import ConsumerWorker
+    from torch_kvops.integrations.vllm.worker_producer import ProducerWorker
+
+    peers = [{"engine_id": f"D-{d}", "latent": True} for d in range(d_tp)]
+    src, dst = [10, 11, 12, 13, 14], [20, 21, 22, 23, 24]
+    chunks = [PushReq("r", "T", peers, src[0:3], dst[0:3], False, "layerwise", block_offset=0, total_blocks=5),
+              PushReq("r", "T", peers, src[2:5], dst[2:5], True, "layerwise", block_offset=2, total_blocks=5)]
+    received = {d: set() for d in range(d_tp)}
+    sent_parts = {d: set() for d in range(d_tp)}
+    for p in range(p_tp):
+        w = ProducerWorker.__new__(ProducerWorker)
+        w.latent, w.tp_size, w.tp_rank = True, p_tp, p
+        w._peer = lambda info: info["engine_id"]
+        for k, push in enumerate(chunks):
+            for req in w._plan(push):
+                d = int(req.peer.split("-")[1])
+                assert req.last_chunk == (k == 1)
+                assert [s + 10 for s in req.src_blocks] == list(req.dst_blocks)
+                received[d].update(req.dst_blocks)
+                sent_parts[d].add(req.req_id)
+    for d in range(d_tp):
+        assert received[d] == set(dst)
+        c = ConsumerWorker.__new__(ConsumerWorker)
+        c.latent, c._by_head, c.tp_size, c.tp_rank, c.conn = True, False, d_tp, d, _Conn()
+        c._recv_blocks, c._recv_left, c._recv_tid_to_req, c._early = {}, {}, {}, {}
+        c._expect("r", "T", p_tp, dst)
+        assert set(c.conn.expected) == sent_parts[d]
+
+
+def test_a_latent_cache_on_one_side_only_is_refused():
+    from torch_kvops.integrations.vllm.metadata import PushReq
+    from torch_kvops.integrations.vllm.worker_producer import ProducerWorker
+
+    w = ProducerWorker.__new__(ProducerWorker)
+    w.latent, w.tp_size, w.tp_rank = True, 1, 0
+    push = PushReq("r", "T", [{"engine_id": "D", "by_head": True}], [1], [2], True, "layerwise", 0, 1)
+    with pytest.raises(ValueError, match="one side only"):
+        w._plan(push)
