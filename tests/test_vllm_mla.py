@@ -6,7 +6,8 @@ layer, no chunked prefill) and the context-sensitive test MLA model
 Engines: "prefill" (P1, TP 1), "prefill2" (P2, TP 2), "decode" (D1, TP 1). Each decode
 engine computes the monolithic reference for its pairs itself. With ``KVOPS_MLA_ALL_PAIRS=1`` a TP-2 decode engine
 "decode2" joins and the pairs 1->2 and 2->2 run too (two more engine start-ups:
-left out of CI). Each pair is checked on tokens, on every decode rank's latent
+left out of CI). Each pair is checked on tokens (printed only with D at TP 2: see
+Cluster.case and the test), on every decode rank's latent
 against P's byte for byte (each rank holds its own replica), on D computing one
 prompt token, on the bytes each decode rank received (its blocks x layers x the
 block's bytes: no block twice) and on the bytes each prefill rank sent (its share,
