@@ -72,7 +72,8 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
 
             worker = ProducerWorker if self.kv_role == "producer" else ConsumerWorker
             self._worker = worker(self.settings, kv_cache_config.num_blocks, total_kv_heads,
-                                  get_tensor_model_parallel_rank(), parallel.tensor_parallel_size)
+                                  get_tensor_model_parallel_rank(), parallel.tensor_parallel_size,
+                                  latent=vllm_config.model_config.use_mla)
 
     @property
     def side_channel_address(self) -> str:

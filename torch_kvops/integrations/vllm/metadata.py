@@ -124,7 +124,10 @@ class KvopsSettings:
 @dataclass
 class PushReq:
     """Producer: push these blocks of request ``req_id`` in this step. Every prefill
-    rank gets the same entry and sends its share of the heads (tp.py)."""
+    rank gets the same entry and sends its share of the heads, or with MLA its share
+    of the blocks (tp.py): ``block_offset`` is the position of the chunk's first block
+    in the request's pushed blocks, ``total_blocks`` how many blocks the request pushes
+    (the decode side's count of them)."""
 
     req_id: str  # this engine's request id
     transfer_id: str  # shared with the decode side; parts of it are LayerwiseConnector ids
@@ -136,6 +139,8 @@ class PushReq:
     # the scheduler finished the request already (a late destination of a held
     # request): its blocks are written, and freed once this push ended
     finished: bool = False
+    block_offset: int = 0
+    total_blocks: int = 0
 
 
 @dataclass

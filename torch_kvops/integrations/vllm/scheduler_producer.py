@@ -177,8 +177,10 @@ class ProducerScheduler:
         push.pushed_tokens = end
         push.done = end >= prompt
         push.emitted = True
+        base = push.start_token // self.block_size  # D's first block P fills
         meta.push.append(PushReq(req.request_id, push.transfer_id, push.peers, src[first:last],
-                                 push.dst_blocks[first:last], push.done, push.push_mode, finished))
+                                 push.dst_blocks[first:last], push.done, push.push_mode, finished,
+                                 block_offset=first - base, total_blocks=len(push.dst_blocks) - base))
 
     def _push_held(self, meta: KvopsConnectorMetadata) -> None:
         """Held requests whose destination arrived: every block at once."""
