@@ -58,8 +58,8 @@ def cluster():
         return vllm_disagg.Engine(name, dict(base, **vllm_disagg.tensor_parallel(TP[name]), kv_transfer_config=dict(
             kvops, kv_role="kv_producer", kv_connector_extra_config={
                 "side_channel_port": ports[name], "bootstrap_endpoint": False,
-                "connector": {"transfer_timeout_s": 5.0, "max_retries": 1,
-                                                                "quarantine_s": 0.2}})), setup)
+                "connector": {"transfer_timeout_s": 5.0, "max_retries": 1, "quarantine_s": 0.2}})),
+            setup)
 
     def consumer(name):
         return vllm_disagg.Engine(name, dict(base, **vllm_disagg.tensor_parallel(TP[name]), kv_transfer_config=dict(
