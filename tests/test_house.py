@@ -32,12 +32,8 @@ MARKER_WITHIN = 30  # lines from the top where the marker must stand
 # path -> why it still imports the root (and who fixes it). Empty: nothing pending.
 PENDING_ROOT_IMPORTS: Dict[str, str] = {}
 
-# path -> why it is still too long (and who splits it).
-PENDING_LONG: Dict[str, str] = {
-    # ProducerSide is ~380 lines; connector/producer.py is being changed by the integrity
-    # pipeline work (issue 27: the lead splits it after that merge).
-    "torch_kvops/connector/producer.py": "ProducerSide over 300 lines; split after the integrity merge",
-}
+# path -> why it is still too long (and who splits it). Empty: nothing pending.
+PENDING_LONG: Dict[str, str] = {}
 
 
 def _sources() -> List[Path]:

@@ -1,4 +1,4 @@
-"""TLS files shared by the control channel (control.py) and the vLLM side channel:
+"""TLS files shared by the control channel (control/) and the vLLM side channel:
 this engine's certificate and key, and the CA that signed the fleet's certificates.
 Both ends verify each other (mutual TLS); clients also check the server's name or IP
 against its certificate (subjectAltName)."""

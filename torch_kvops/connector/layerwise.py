@@ -1,7 +1,7 @@
 """LayerwiseConnector: push each layer's KV blocks to decode while later layers compute.
 
-The public API over both roles. The send path is in ``producer.py`` (with
-``peer.py``), the receive path in ``consumer.py``; what both share (configuration,
+The public API over both roles. The send path is in ``producer.py`` and ``sender.py``
+(with ``peer.py``), the receive path in ``consumer.py``; what both share (configuration,
 outcome reporting, counters) in ``config.py`` and ``ledger.py``. See
 docs/connector.md for threads and failure semantics.
 """
