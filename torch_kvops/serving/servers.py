@@ -149,6 +149,36 @@ class ServerSpec:
         return env
 
 
+@dataclass
+class ProxySpec:
+    """Our P/D proxy (:mod:`torch_kvops.serving.proxy`) in front of started servers;
+    started and stopped like them (``Servers.add``). The servers' URLs and side channels
+    are read when the proxy starts. ``extra_args``: more proxy options (``--retries``,
+    ``--no-decode-params``, ...)."""
+
+    name: str
+    prefill: List["Server"]
+    decode: List["Server"]
+    order: str = "d-first"
+    port: int = 0
+    host: str = "127.0.0.1"
+    timeout_s: float = 600.0
+    extra_args: List[str] = field(default_factory=list)
+    env: Dict[str, str] = field(default_factory=dict)
+    grace_s: float = 5.0
+    role: str = "proxy"
+
+    def command(self) -> List[str]:
+        return [sys.executable, "-m", "torch_kvops.serving.proxy", "--host", self.host,
+                "--port", str(self.port), "--order", self.order, "--timeout", str(self.timeout_s),
+                "--prefill", ",".join(p.url for p in self.prefill),
+                "--prefill-side-channel", ",".join(p.side_channel for p in self.prefill),
+                "--decode", ",".join(d.url for d in self.decode), *self.extra_args]
+
+    def environment(self) -> Dict[str, str]:
+        return dict(os.environ, **self.env)
+
+
 def _http_get(url: str, timeout: float) -> int:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         resp.read()
@@ -158,7 +188,7 @@ def _http_get(url: str, timeout: float) -> int:
 class Server:
     """One running (or stopped) API server; create it with :meth:`Servers.add`."""
 
-    def __init__(self, spec: ServerSpec, log_dir: str) -> None:
+    def __init__(self, spec: "ServerSpec | ProxySpec", log_dir: str) -> None:
         self.spec = spec
         self.name = spec.name
         self.log_path = os.path.join(log_dir, f"{spec.name}.log")
@@ -301,12 +331,22 @@ class Servers:
         self.servers: Dict[str, Server] = {}
         _install_exit_hooks()
 
-    def add(self, spec: ServerSpec) -> Server:
+    def add(self, spec: "ServerSpec | ProxySpec") -> Server:
+        """A server (not started: :meth:`start_all` or ``Server.start``/``wait_ready``)."""
         if spec.name in self.servers:
             raise ValueError(f"a server called {spec.name!r} exists already")
         server = Server(spec, self.log_dir)
         self.servers[spec.name] = server
         return server
+
+    def start(self, names: List[str], timeout: float = 600.0) -> None:
+        """Start the named servers (at once) and wait until they are healthy."""
+        todo = [self.servers[n] for n in names]
+        for server in todo:
+            server.start()
+        with ThreadPoolExecutor(max(1, len(todo))) as pool:
+            for future in [pool.submit(s.wait_ready, timeout) for s in todo]:
+                future.result()
 
     def __getitem__(self, name: str) -> Server:
         return self.servers[name]
@@ -314,13 +354,11 @@ class Servers:
     def start_all(self, timeout: float = 600.0) -> None:
         """Start every server not running (at once) and wait until all are healthy;
         on failure every server is stopped and the first error raised."""
-        todo = [s for s in self.servers.values() if not s.alive()]
+        backends = [n for n, s in self.servers.items() if not s.alive() and s.spec.role != "proxy"]
+        proxies = [n for n, s in self.servers.items() if not s.alive() and s.spec.role == "proxy"]
         try:
-            for server in todo:
-                server.start()
-            with ThreadPoolExecutor(max(1, len(todo))) as pool:
-                for future in [pool.submit(s.wait_ready, timeout) for s in todo]:
-                    future.result()
+            self.start(backends, timeout)
+            self.start(proxies, timeout)  # they need the servers' ports
         except BaseException:
             self.stop_all()
             raise
