@@ -113,8 +113,8 @@ def test_p_first_late_binding_pushes_a_held_request_from_every_rank(cluster, pai
     cluster.engines[d].submit([(tid, cluster.prompts[i], NEW_TOKENS, p_out["kv_transfer_params"])])
     out = cluster.engines[d].wait_done(tid, 300)
     assert out["tokens"] == cluster.reference[i]
-    assert vllm_disagg.local_prompt_tokens(out) == 1
-    kv = vllm_disagg.compare_kv(cluster.engines[p], cluster.engines[d], tid, PROMPT_LENS[i])
+    assert offline.local_prompt_tokens(out) == 1
+    kv = offline.compare_kv(cluster.engines[p], cluster.engines[d], tid, PROMPT_LENS[i])
     assert kv["match"], kv
     blocks = cluster.engines[p].drain(30.0)
     assert blocks["idle"] and blocks["free_blocks"] == blocks["usable_blocks"], blocks
