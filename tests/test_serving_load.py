@@ -59,10 +59,11 @@ class Fleet:
             assert not any(self._reference[key]["errors"]), "the reference server failed requests"
         return self._reference[key]
 
-    def local_prompt_tokens(self) -> float:
-        """Prompt tokens the decode servers computed themselves, so far."""
+    def prompt_tokens(self, source: str) -> float:
+        """Prompt tokens of the decode servers so far, by source: ``local_compute`` (D
+        computed them) or ``external_kv_transfer`` (they came from P)."""
         return sum(prometheus.total(self.servers[d].metrics(), "vllm:prompt_tokens_by_source_total",
-                                    source="local_compute") for d in ("D1", "D2"))
+                                    source=source) for d in ("D1", "D2"))
 
     def counter(self, name: str, metric: str, **labels: str) -> float:
         return prometheus.total(self.servers[name].metrics(), metric, **labels)
@@ -92,8 +93,7 @@ def fleet():
     tmp = tempfile.TemporaryDirectory(prefix="kvops-serving-load-")
     model = os.path.join(tmp.name, "model")
     write_serving_model(model)
-    log_dir = os.path.join(tmp.name, "logs")
-    os.makedirs(log_dir)
+    log_dir = tempfile.mkdtemp(prefix="kvops-serving-load-logs-")  # kept for a failure's reader
     servers = Servers(log_dir)
     with servers:
         prefill = [servers.add(ServerSpec(f"P{i}", model, role="prefill", threads=1,
@@ -123,21 +123,24 @@ def _same_answers(got: dict, ref: dict) -> List[int]:
 
 
 def test_load_answers_equal_reference_and_decode_computes_one_token(fleet):
-    before = fleet.local_prompt_tokens()
-    requests = 0
+    before = {s: fleet.prompt_tokens(s) for s in ("local_compute", "external_kv_transfer")}
+    requests = prompt_tokens = 0
     for phase in PHASES:
         ref = fleet.reference(**phase)
         got = fleet.load("proxy", **phase)
         requests += phase["num_prompts"]
         lens = got["input_lens"]
+        prompt_tokens += sum(lens)
         assert min(lens) >= 50 and max(lens) <= 3000
         wrong = _same_answers(got, ref)
         assert not wrong, f"{len(wrong)} answers differ from the reference: {wrong[:10]}"
         assert got["completed"] == phase["num_prompts"]
-    # every request's KV came from P: D computed only the last prompt token (vLLM
-    # recomputes it to sample), so exactly one token per request
-    local = fleet.local_prompt_tokens() - before
-    assert local == requests, f"D computed {local} prompt tokens for {requests} requests"
+    # every request's KV came from P: D computed at most the last prompt token (vLLM
+    # recomputes it to sample the first output token), never a block
+    local = fleet.prompt_tokens("local_compute") - before["local_compute"]
+    external = fleet.prompt_tokens("external_kv_transfer") - before["external_kv_transfer"]
+    assert local <= requests, f"D computed {local} prompt tokens for {requests} requests"
+    assert external + local == prompt_tokens, (external, local, prompt_tokens)
     fleet.wait_all_idle(30)
 
 
@@ -145,10 +148,10 @@ def test_negative_control_without_transfer_decode_computes_the_prompts(fleet):
     """The same check fails when D gets no transfer parameters (it then prefills)."""
     phase = dict(num_prompts=8, input_len=300, range_ratio=0.5, seed=5)
     ref = fleet.reference(**phase)
-    before = fleet.local_prompt_tokens()
+    before = fleet.prompt_tokens("local_compute")
     got = fleet.load("proxy-nokv", **phase)
     assert not _same_answers(got, ref)  # the answers are right: D computed them itself
-    local = fleet.local_prompt_tokens() - before
+    local = fleet.prompt_tokens("local_compute") - before
     assert local == sum(got["input_lens"]) > phase["num_prompts"]
     fleet.wait_all_idle(HOLD_S + 30)  # P held the blocks of 8 destinations that never came
 
@@ -163,7 +166,10 @@ def _wait_counter_growth(fleet: Fleet, name: str, base: float, min_growth: float
     deadline = time.monotonic() + timeout
     while fleet.counter(name, "vllm:request_success_total") - base < min_growth:
         if time.monotonic() > deadline:
-            raise AssertionError(f"{name} finished fewer than {min_growth} requests in {timeout} s")
+            raise AssertionError(
+                f"{name} finished fewer than {min_growth} requests in {timeout} s; proxy: "
+                f"{prometheus.find(fleet.servers['proxy'].metrics(), 'kvops_proxy')}; "
+                f"{name}: {prometheus.find(fleet.servers[name].metrics(), 'vllm:request_success')}")
         time.sleep(0.2)
 
 

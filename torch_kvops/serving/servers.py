@@ -96,6 +96,7 @@ class ServerSpec:
     seed: int = 0
     served_model_name: Optional[str] = None
     side_channel_port: int = 0
+    bootstrap_port: int = 0  # P: vLLM-style bootstrap endpoint (GET /query) routers poll
     lease_s: float = 30.0
     kv_connector_extra_config: Dict = field(default_factory=dict)
     extra_args: List[str] = field(default_factory=list)
@@ -113,7 +114,8 @@ class ServerSpec:
         """The server's ``--kv-transfer-config`` (None for the monolithic reference)."""
         if self.role == "prefill":
             extra = merged({"host": self.host, "side_channel_host": self.host,
-                            "side_channel_port": self.side_channel_port},
+                            "side_channel_port": self.side_channel_port,
+                            "bootstrap_server_address": f"{self.host}:{self.bootstrap_port}"},
                            self.kv_connector_extra_config)
             return dict(CONNECTOR, kv_role="kv_producer", kv_connector_extra_config=extra)
         if self.role == "decode":
@@ -179,6 +181,39 @@ class ProxySpec:
         return dict(os.environ, **self.env)
 
 
+@dataclass
+class RouterSpec:
+    """vLLM's router (``vllm-router`` 0.1.17, PyPI ``vllm-router``) in P/D mode in front of
+    started servers, as users deploy it: ``--vllm-pd-disaggregation --kv-connector
+    mooncake`` sends each request to P first (``max_tokens=1``), then to D with
+    ``remote_bootstrap_addr`` pointing at P's bootstrap endpoint, which it polls at start."""
+
+    name: str
+    prefill: List["Server"]
+    decode: List["Server"]
+    kv_connector: str = "mooncake"
+    policy: str = "round_robin"
+    port: int = 0
+    host: str = "127.0.0.1"
+    extra_args: List[str] = field(default_factory=list)
+    env: Dict[str, str] = field(default_factory=dict)
+    grace_s: float = 5.0
+    role: str = "proxy"  # started after the servers it fronts
+
+    def command(self) -> List[str]:
+        cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation",
+               "--kv-connector", self.kv_connector, "--host", self.host, "--port", str(self.port),
+               "--policy", self.policy, "--request-timeout-secs", "600"]
+        for p in self.prefill:
+            cmd += ["--prefill", p.url, str(p.spec.bootstrap_port)]
+        for d in self.decode:
+            cmd += ["--decode", d.url]
+        return cmd + list(self.extra_args)
+
+    def environment(self) -> Dict[str, str]:
+        return dict(os.environ, **self.env)
+
+
 def _http_get(url: str, timeout: float) -> int:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         resp.read()
@@ -188,7 +223,7 @@ def _http_get(url: str, timeout: float) -> int:
 class Server:
     """One running (or stopped) API server; create it with :meth:`Servers.add`."""
 
-    def __init__(self, spec: "ServerSpec | ProxySpec", log_dir: str) -> None:
+    def __init__(self, spec: "ServerSpec | ProxySpec | RouterSpec", log_dir: str) -> None:
         self.spec = spec
         self.name = spec.name
         self.log_path = os.path.join(log_dir, f"{spec.name}.log")
@@ -227,6 +262,8 @@ class Server:
                 self.spec.port = free_port(self.spec.host)
             if self.spec.role == "prefill" and not self.spec.side_channel_port:
                 self.spec.side_channel_port = free_port(self.spec.host)
+            if self.spec.role == "prefill" and not self.spec.bootstrap_port:
+                self.spec.bootstrap_port = free_port(self.spec.host)
             cmd = [sys.executable, "-m", "torch_kvops.serving.reaper", "--grace",
                    str(self.spec.grace_s), "--", *self.spec.command()]
             self.starts += 1
@@ -331,7 +368,7 @@ class Servers:
         self.servers: Dict[str, Server] = {}
         _install_exit_hooks()
 
-    def add(self, spec: "ServerSpec | ProxySpec") -> Server:
+    def add(self, spec: "ServerSpec | ProxySpec | RouterSpec") -> Server:
         """A server (not started: :meth:`start_all` or ``Server.start``/``wait_ready``)."""
         if spec.name in self.servers:
             raise ValueError(f"a server called {spec.name!r} exists already")
