@@ -31,6 +31,12 @@ TORCH_LIBRARY(kvops, m) {
   // Append `layer` to the ready queue of `handle`, in stream order (a host node while a
   // CUDA stream is capturing, so it happens on every replay).
   m.def("push_layer(Tensor(a!) kv_cache, int handle, int layer) -> ()");
+
+  // A 128-bit checksum (four CRC-32C lanes, seeded by `seed`) of each block named in
+  // block_ids (1-D int64, CPU) of `cache` (dim 0 = block, each block contiguous):
+  // uint8 [len(block_ids), 16]. On the calling thread, or with `parallel` on torch's
+  // intra-op threads; the GIL is released either way.
+  m.def("block_digests(Tensor cache, Tensor block_ids, int seed, bool parallel=False) -> Tensor");
 }
 
 namespace {

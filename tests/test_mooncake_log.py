@@ -47,8 +47,8 @@ def test_other_lines_printed_while_the_engine_starts_are_kept():
     during the filtered window, reaches stderr afterwards, in order."""
     code = (
         "import os\n"
-        "from torch_kvops.transports.mooncake import _benign_lines_dropped\n"
-        "with _benign_lines_dropped(True):\n"
+        "from torch_kvops.transports.mooncake.engine_log import benign_lines_dropped\n"
+        "with benign_lines_dropped(True):\n"
         "    os.write(2, b'E1123 00:00:00.1 1 transfer_metadata.cpp:1098] Local segment descriptor not found\\n')\n"
         "    os.write(2, b'E1123 00:00:00.2 1 tcp_transport.cpp:1] a real error\\n')\n"
         "    os.write(2, b'partial line without newline')\n"

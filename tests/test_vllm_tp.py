@@ -42,8 +42,8 @@ def cluster():
     def producer(name, tp):
         return offline.Engine(name, dict(base, **offline.tensor_parallel(tp), kv_transfer_config=dict(
             kvops, kv_role="kv_producer", kv_connector_extra_config={
-                "side_channel_port": ports[name], "connector": {"transfer_timeout_s": 5.0, "max_retries": 1,
-                                                                "quarantine_s": 0.2}})))
+                "side_channel_port": ports[name], "bootstrap_endpoint": False,
+                "connector": {"transfer_timeout_s": 5.0, "max_retries": 1, "quarantine_s": 0.2}})))
 
     def consumer(name, tp):
         return offline.Engine(name, dict(base, **offline.tensor_parallel(tp), kv_transfer_config=dict(

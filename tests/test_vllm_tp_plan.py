@@ -67,7 +67,7 @@ def test_gqa_replicated_heads_are_sent_by_the_first_replica():
 
 @pytest.mark.parametrize("kv_heads,tp,mla,pp,match", [
     (3, 2, False, 1, "do not divide"), (2, 3, False, 1, "do not replicate"),
-    (8, 2, True, 1, "MLA"), (8, 2, False, 2, "pipeline")])
+    (8, 2, False, 2, "pipeline")])
 def test_unsupported_configurations_are_refused_with_the_setting_named(kv_heads, tp, mla, pp, match):
     with pytest.raises(ValueError, match=match):
         check_tp(kv_heads, tp, mla, pp)

@@ -11,6 +11,8 @@ prefill engine:
 - ``rotate``: the worker is handed destination blocks rotated by one within each
   chunk (a wrong block id in the plan; the consumer accepts it, the bytes land in
   the wrong blocks of the right request);
+- ``drop_layer``: the writes of the second attention layer move no byte (the
+  transport reports success), the other layers arrive;
 - ``slow``: every push step begins 1.5 s late (a slow prefill, so that a test can
   act between two chunks);
 - ``skip_after_preemption``: the scheduler pushes nothing more of a request it
@@ -64,7 +66,15 @@ def install(process_name: str) -> None:
     from torch_kvops.integrations.vllm.worker_producer import ProducerWorker
     from torch_kvops.transports.mooncake import MooncakeTransport
 
+    from torch_kvops.connector.peer import PeerLink
+
     write = MooncakeTransport.write
+    write_layer = PeerLink.write_layer
+
+    def sabotaged_write_layer(self, layer, *args, **kwargs):
+        if "drop_layer" in modes() and layer == 1:
+            return 0, None
+        return write_layer(self, layer, *args, **kwargs)
 
     def sabotaged_write(self, peer, src, dst, lengths, **kwargs):
         how = modes()
@@ -107,6 +117,7 @@ def install(process_name: str) -> None:
         return matched(self, request, num_computed_tokens)
 
     MooncakeTransport.write = sabotaged_write
+    PeerLink.write_layer = sabotaged_write_layer
     ProducerWorker.begin_step = sabotaged_begin_step
     vllm_scheduler.ProducerScheduler.build_connector_meta = sabotaged_build_connector_meta
     vllm_scheduler.ProducerScheduler.get_num_new_matched_tokens = sabotaged_matched

@@ -9,7 +9,9 @@ describes returned, and one connection keeps notices in order, so the consumer n
 hears "done" before the bytes are there.
 
 Trust: each consumer has a random secret that travels only inside its ``peer_info``
-(which the engine hands to the producer over its own channel). A connection proves it
+(which the engine hands to the producer over its own channel), or, with a fleet key,
+a secret derived from the key and the consumer's engine id (:func:`derived_secret`)
+that never travels at all. A connection proves it
 knows the secret before anything else it sends is read, and the consumer proves it
 too (challenge-response with HMAC-SHA256 over fresh random nonces from both sides, see
 :func:`proof`). The secret itself never crosses this channel and is never logged.
@@ -29,6 +31,7 @@ import logging
 import secrets
 import selectors
 import socket
+import ssl
 import threading
 import time
 from typing import Callable, Dict, Optional
@@ -47,6 +50,14 @@ _NONCE_BYTES = 32
 def new_secret() -> str:
     """A fresh consumer secret (256 random bits, hex)."""
     return secrets.token_hex(32)
+
+
+def derived_secret(fleet_key: bytes, engine_id: str) -> str:
+    """The control secret of consumer ``engine_id`` under a fleet key (256 bits, hex):
+    every producer holding the key derives it, so it never has to travel."""
+    if len(fleet_key) < 32:
+        raise ValueError("the fleet key must hold at least 32 bytes")
+    return hmac.new(fleet_key, b"kvops-control|" + engine_id.encode(), hashlib.sha256).hexdigest()
 
 
 def proof(secret: str, role: str, own_nonce: str, other_nonce: str, producer: str) -> str:
@@ -94,6 +105,7 @@ class Session:
         self._their_nonce = ""
         self._claimed: Optional[str] = None  # the id given in hello, not yet proven
         self.deadline = time.monotonic() + server.handshake_timeout_s
+        self.tls_handshaking = False  # TLS handshake not done yet (a TLS server only)
 
     @property
     def authenticated(self) -> bool:
@@ -118,8 +130,10 @@ class ControlServer:
                  on_close: Callable[[Session], None], on_tick: Callable[[], None], *,
                  secret: str, tick_s: float = 0.05, send_timeout_s: float = 5.0,
                  handshake_timeout_s: Optional[float] = None,
-                 max_line_bytes: int = DEFAULT_MAX_LINE) -> None:
+                 max_line_bytes: int = DEFAULT_MAX_LINE,
+                 tls: Optional[ssl.SSLContext] = None) -> None:
         self._on_message, self._on_close, self._on_tick = on_message, on_close, on_tick
+        self._tls = tls  # a server context: every connection is TLS (tls.TlsFiles)
         self._secret = _check_secret(secret)
         self._tick_s, self._send_timeout_s = tick_s, send_timeout_s
         self.handshake_timeout_s = send_timeout_s if handshake_timeout_s is None else handshake_timeout_s
@@ -174,7 +188,16 @@ class ControlServer:
             return
         conn.setblocking(False)
         _no_delay(conn)
-        self._sessions[conn] = Session(self, conn)
+        if self._tls is not None:
+            try:
+                conn = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+            except (ssl.SSLError, OSError) as exc:
+                log.warning("control connection from %s: TLS set-up failed: %s", peer, exc)
+                self._count("control_auth_failed")
+                conn.close()
+                return
+        session = self._sessions[conn] = Session(self, conn)
+        session.tls_handshaking = self._tls is not None
         self._selector.register(conn, selectors.EVENT_READ, None)
 
     def _expire_handshakes(self) -> None:
@@ -187,13 +210,27 @@ class ControlServer:
             self._drop(conn)
 
     def _read(self, conn: socket.socket) -> None:
+        session = self._sessions[conn]
+        if session.tls_handshaking:
+            try:
+                conn.do_handshake()
+                session.tls_handshaking = False
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return  # more handshake bytes to come (bounded by the handshake deadline)
+            except (ssl.SSLError, OSError) as exc:
+                log.warning("control connection: TLS handshake refused: %s", exc)
+                self._count("control_auth_failed")
+                self._drop(conn)
+                return
         try:
             data = conn.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
+            if self._tls is not None:
+                while conn.pending():  # decrypted bytes the selector will not report
+                    data += conn.recv(conn.pending())
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except OSError:
             data = b""
-        session = self._sessions[conn]
         if not data:
             if not session.authenticated:  # left without proving itself
                 self._count("control_auth_failed")
@@ -301,7 +338,8 @@ class ControlClient:
     """Producer side: one connection to a consumer's control server."""
 
     def __init__(self, address: str, *, timeout_s: float = 5.0, retries: int = 3,
-                 backoff_s: float = 0.05, max_line_bytes: int = DEFAULT_MAX_LINE) -> None:
+                 backoff_s: float = 0.05, max_line_bytes: int = DEFAULT_MAX_LINE,
+                 tls: Optional[ssl.SSLContext] = None) -> None:
         host, sep, port = str(address).rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"control address {address!r} is not 'host:port'")
@@ -310,6 +348,7 @@ class ControlClient:
         self._retries = retries
         self._backoff_s = backoff_s
         self._max_line = int(max_line_bytes)
+        self._tls = tls  # a client context: verifies the consumer's certificate and name
         self._sock: Optional[socket.socket] = None
         self._inbox = bytearray()
         self._lock = threading.Lock()
@@ -320,9 +359,19 @@ class ControlClient:
         with self._lock:
             for attempt in range(self._retries + 1):
                 try:
-                    self._sock = socket.create_connection(self._target, timeout=self._timeout_s)
-                    _no_delay(self._sock)
+                    sock = socket.create_connection(self._target, timeout=self._timeout_s)
+                    _no_delay(sock)
+                    if self._tls is not None:
+                        try:
+                            sock = self._tls.wrap_socket(sock, server_hostname=self._target[0])
+                        except BaseException:
+                            sock.close()
+                            raise
+                    self._sock = sock
                     return
+                except ssl.SSLCertVerificationError as exc:  # retrying will not help
+                    raise ConnectionError(f"control channel to {self._target[0]}:{self._target[1]}: "
+                                          f"TLS certificate refused: {exc}") from exc
                 except OSError as exc:
                     last = exc
                     if attempt < self._retries:
@@ -421,8 +470,12 @@ class ControlClient:
                 return True
             self._sock.settimeout(0.0)  # a timeout-mode socket would wait out its timeout
             try:
+                if isinstance(self._sock, ssl.SSLSocket):  # no MSG_PEEK under TLS: keep what came
+                    data = self._sock.recv(1 << 16)
+                    self._inbox += data
+                    return data == b""
                 return self._sock.recv(1, socket.MSG_PEEK) == b""
-            except (BlockingIOError, InterruptedError):
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 return False
             except OSError:
                 return True

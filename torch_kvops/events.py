@@ -6,7 +6,8 @@ from typing import Optional, Union
 
 import torch
 
-from . import _C
+from ._C import (layer_events_bind, layer_events_close, layer_events_create,
+                 layer_events_next_ready, layer_events_pushed_at, layer_events_wait)
 
 
 def _seconds(timeout: Optional[float]) -> Optional[float]:
@@ -33,33 +34,33 @@ class LayerEvents:
             backend = getattr(torch, self.device.type)  # torch.cuda, torch.npu (torch_npu)
             self.device = torch.device(self.device.type, backend.current_device())
         self.num_layers = int(num_layers)
-        self.handle: int = _C.layer_events_create(self.num_layers, str(self.device))
+        self.handle: int = layer_events_create(self.num_layers, str(self.device))
         # Runs once: on close(), on garbage collection, or at interpreter exit (while
         # the extension is still loaded), so no destructor has to guess.
-        self._close = weakref.finalize(self, _C.layer_events_close, self.handle)
+        self._close = weakref.finalize(self, layer_events_close, self.handle)
 
     def bind(self, layer: int, kv_cache: torch.Tensor) -> None:
         """Declare the tensor that holds ``layer``'s KV cache. The ops then reject any
         other tensor for that layer: inside a compiled graph that would be a temporary
         copy of the cache, written back only after the layer was already sent."""
-        _C.layer_events_bind(self.handle, layer, kv_cache)
+        layer_events_bind(self.handle, layer, kv_cache)
 
     def next_ready(self, timeout: Optional[float] = None) -> Optional[int]:
         """Oldest pushed layer, or ``None`` if ``timeout`` seconds pass (or the pool is
         closed) first. ``timeout=None`` waits until a push or :meth:`close`."""
-        return _C.layer_events_next_ready(self.handle, _seconds(timeout))
+        return layer_events_next_ready(self.handle, _seconds(timeout))
 
     def wait(self, layer: int, timeout: Optional[float] = None) -> bool:
         """Block until the latest record of ``layer`` completed on the device. Returns
         ``False`` on timeout or close. Only meaningful for a layer whose record was
         issued for the current step: take layers from :meth:`next_ready`."""
-        return _C.layer_events_wait(self.handle, layer, _seconds(timeout))
+        return layer_events_wait(self.handle, layer, _seconds(timeout))
 
     def pushed_at(self, layer: int) -> float:
         """``time.monotonic()`` seconds of the latest push of ``layer`` (0.0 if never):
         when the model issued it in eager mode; under CUDA-graph replay, when the stream
         reached the push, i.e. when the layer's KV write had finished on the device."""
-        return _C.layer_events_pushed_at(self.handle, layer)
+        return layer_events_pushed_at(self.handle, layer)
 
     def close(self) -> None:
         """Wake every waiter, drop queued layers and free the handle. Idempotent."""

@@ -10,7 +10,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["swap_blocks_batch", "swap_blocks_batch_ptrs", "record_layer_event", "push_layer"]
+__all__ = ["swap_blocks_batch", "swap_blocks_batch_ptrs", "record_layer_event", "push_layer",
+           "block_digests"]
 
 
 def swap_blocks_batch(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
@@ -75,11 +76,29 @@ def push_layer(kv_cache: torch.Tensor, handle: int, layer: int) -> None:
     torch.ops.kvops.push_layer(kv_cache, handle, layer)
 
 
+def block_digests(cache: torch.Tensor, block_ids: torch.Tensor, seed: int,
+                  parallel: bool = False) -> torch.Tensor:
+    """A 16-byte checksum of each block of ``cache`` named in ``block_ids``.
+
+    ``cache``: a CPU tensor, dim 0 = block, each block contiguous (blocks may lie apart).
+    ``block_ids``: 1-D int64 CPU tensor. Returns uint8 ``[len(block_ids), 16]``: four
+    CRC-32C (Castagnoli) values, little-endian, one per quarter of the block's bytes
+    (the last quarter takes the remainder), each started from a value derived from
+    ``seed`` and the quarter's index. Blocks are hashed on the calling thread, or
+    with ``parallel`` on torch's intra-op threads; the GIL is released (SSE4.2
+    ``crc32`` where the CPU has it, a table elsewhere: the same values). Not a MAC: anyone who knows the bytes can compute it (the
+    connector's integrity_check="checksum"). Out-of-range ids raise ``RuntimeError``
+    before anything is read.
+    """
+    return torch.ops.kvops.block_digests(cache, block_ids, seed, parallel)
+
+
 def _attach_docs() -> None:
     packets = {
         "swap_blocks_batch": swap_blocks_batch,
         "record_layer_event": record_layer_event,
         "push_layer": push_layer,
+        "block_digests": block_digests,
     }
     for name, fn in packets.items():
         getattr(torch.ops.kvops, name).__doc__ = fn.__doc__
@@ -120,6 +139,11 @@ def _record_layer_event_fake(kv_cache, handle, layer):
 @torch.library.register_fake("kvops::push_layer")
 def _push_layer_fake(kv_cache, handle, layer):
     return None
+
+
+@torch.library.register_fake("kvops::block_digests")
+def _block_digests_fake(cache, block_ids, seed, parallel=False):
+    return block_ids.new_empty((block_ids.size(0), 16), dtype=torch.uint8)
 
 
 _register_ordered_effect("kvops::swap_blocks_batch.ptrs")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Union
 
-from . import _C
+from ._C import _get_copy_policy, _set_copy_policy
 
 __all__ = ["get_copy_policy", "set_copy_policy"]
 
@@ -19,7 +19,7 @@ def get_copy_policy() -> Dict[str, Union[str, int]]:
     """The current policy: ``{"mode", "max_ctas", "dma_min_bytes", "dma_min_bytes_d2d"}``.
 
     Raises ``RuntimeError`` if the environment holds a bad value and no policy was set."""
-    return dict(_C._get_copy_policy())
+    return dict(_get_copy_policy())
 
 
 def set_copy_policy(mode: Optional[str] = None, *, max_ctas: Optional[int] = None,
@@ -42,5 +42,5 @@ def set_copy_policy(mode: Optional[str] = None, *, max_ctas: Optional[int] = Non
     Fields left ``None`` keep their value. Invalid values raise ``RuntimeError`` and
     change nothing."""
     old = get_copy_policy()
-    _C._set_copy_policy(mode, max_ctas, dma_min_bytes, dma_min_bytes_d2d)
+    _set_copy_policy(mode, max_ctas, dma_min_bytes, dma_min_bytes_d2d)
     return old

@@ -2,8 +2,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
-PROTOCOL_VERSION = 2  # 2: authenticated handshake, begin names destination blocks
+# 2: authenticated handshake, begin names destination blocks; 3: integrity digests
+# per layer ("digests" notices), in the mode the link agreed on
+PROTOCOL_VERSION = 3
+
+INTEGRITY_MODES = ("off", "checksum", "mac")  # weakest first
+
+
+def integrity_mode(value: Union[bool, str, None]) -> str:
+    """``integrity_check`` as one of INTEGRITY_MODES: True means "mac" (what True always
+    meant: a keyed digest), False and None "off"; anything else is refused."""
+    if value is True:
+        return "mac"
+    if value is False or value is None:
+        return "off"
+    if isinstance(value, str) and value in INTEGRITY_MODES:
+        return value
+    raise ValueError(f"integrity_check must be one of {INTEGRITY_MODES} (or True = 'mac', "
+                     f"False = 'off'), got {value!r}")
 
 
 @dataclass
@@ -29,13 +47,21 @@ class ConnectorConfig:
     # that stream. True lets the transport read/write device memory directly: only
     # where it does so without a host copy (RDMA with GPUDirect).
     direct_device_reads: bool = False
-    # End-to-end check (integrity.py): the producer sends keyed digests of the blocks
-    # it pushed, the consumer verifies its blocks before reporting a request finished
-    # and fails it on a mismatch. Either side may turn it on for its links; host
-    # caches only. Costs a second read of every pushed byte on both sides.
-    integrity_check: bool = False
+    # End-to-end check (integrity.py), "off", "checksum" or "mac": the producer sends a
+    # digest of every block of every layer it pushed, the consumer verifies each layer
+    # as it lands and fails the request on a mismatch. "checksum" (CRC-32C, native)
+    # catches accidents (corrupt, lost, misplaced writes); "mac" (keyed BLAKE3) also a
+    # writer without the key. True means "mac", False "off". Either side may turn it
+    # on for its links (the stronger mode wins); host caches only.
+    integrity_check: Union[bool, str] = False
 
     def __post_init__(self) -> None:
+        integrity_mode(self.integrity_check)  # refuse a bad value now, not at the first push
         if self.staging_slots < 2:
             raise ValueError("staging_slots must be >= 2: one slot group is gathered while the "
                              f"other is on the wire, got {self.staging_slots}")
+
+    @property
+    def integrity_mode(self) -> str:
+        """``integrity_check`` normalised: "off", "checksum" or "mac"."""
+        return integrity_mode(self.integrity_check)

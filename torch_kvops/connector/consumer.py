@@ -16,20 +16,22 @@ covers are ignored and counted (``control_not_owner``, ``scatter_refused``).
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set
+
+import numpy as np
 
 import torch
 
 from ..control import ControlServer, Session, new_secret
 from ..staging import ConsumerStaging
+from ..tls import TlsFiles
 from ..transports.base import Transport
-from .config import ConnectorConfig
-from .integrity import BlockDigester, integrity_key
+from .config import INTEGRITY_MODES, ConnectorConfig
+from .integrity import DIGEST_BYTES, BlockDigester, make_digester
 from .ledger import ConnectorStats, RequestLedger
+from .verifier import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +43,12 @@ class _Incoming:
     blocks: Set[int] = field(default_factory=set)  # destination blocks named by its begins
     chunks: int = 0
     bytes: int = 0
-    digests: Dict[int, str] = field(default_factory=dict)  # latest digest per block (integrity)
+    step_dst: List[int] = field(default_factory=list)  # destination blocks of its latest begin
+    digest_mode: Optional[str] = None  # integrity: the mode its producer digests in
+    digested_layers: Set[int] = field(default_factory=set)  # of the chunk now landing
     landed: List[List[int]] = field(default_factory=list)  # per chunk landed, its blocks
     verifying: bool = False  # every byte landed; the verifier thread decides its outcome
+    ended: bool = False  # reported: the verifier skips its remaining layers
 
 
 class ConsumerSide:
@@ -51,7 +56,7 @@ class ConsumerSide:
 
     def __init__(self, caches: Sequence[torch.Tensor], transport: Transport, config: ConnectorConfig,
                  ledger: RequestLedger, stats: ConnectorStats, control_host: str,
-                 can_stage: bool) -> None:
+                 can_stage: bool, secret: Optional[str] = None, tls: Optional[TlsFiles] = None) -> None:
         self._config = config
         self._ledger = ledger
         self._stats = stats
@@ -63,15 +68,19 @@ class ConsumerSide:
         if can_stage:
             self._staging = ConsumerStaging(caches, transport, config.staging_slot_bytes,
                                             config.staging_slots, copy_timeout_s=config.event_timeout_s)
-        # Shared with producers only through peer_info(); never logged.
-        self._secret = new_secret()
-        # Verifies digests sent by producers (integrity.py); host caches only.
-        self._digester = (BlockDigester(caches, integrity_key(self._secret))
-                          if all(c.device.type == "cpu" for c in caches) else None)
+        # Shared with producers only through peer_info(), or derived from the fleet key
+        # by them (secret given); never logged.
+        self._secret = secret if secret is not None else new_secret()
+        # Verify digests sent by producers (integrity.py), made on first use; host caches only.
+        self._caches = list(caches)
+        self._digesters: Dict[str, BlockDigester] = {}
+        if config.integrity_mode != "off" and all(c.device.type == "cpu" for c in caches):
+            self._digester(config.integrity_mode)  # a missing dependency fails here, not mid-push
         self._verifier: Optional[Verifier] = None  # started on the first request to verify
         self._server = ControlServer(control_host, self._on_control, self._on_producer_gone,
                                      self._expire_leases, secret=self._secret,
-                                     send_timeout_s=config.control_timeout_s)
+                                     send_timeout_s=config.control_timeout_s,
+                                     tls=tls.server_context() if tls is not None else None)
 
     @property
     def control_address(self) -> str:
@@ -109,7 +118,7 @@ class ConsumerSide:
             log.info("producer %s connected", session.producer)
             grant = self._staging.grant(session.producer) if self._staging and message.get("staging") else None
             session.reply({"op": "welcome", "staging": grant.to_json() if grant else None,
-                           "integrity": self._config.integrity_check})
+                           "integrity": self._config.integrity_mode})
         elif op == "begin":
             session.reply({"op": "begun", "rejected": self._begin_requests(message, session)})
         elif op == "scatter":
@@ -127,6 +136,8 @@ class ConsumerSide:
                 log.warning("producer %s: scatter into blocks of no request it has in flight: "
                             "refused", session.producer)
                 session.reply({"op": "ack", "slot": slot, "refused": True})
+        elif op == "digests":
+            self._layer_digests(message, session)
         elif op in ("chunk", "failed"):
             self._request_notice(op, str(message["req"]), message, session)
         else:
@@ -162,6 +173,7 @@ class ConsumerSide:
                     rejected.append(req_id)
                     continue
                 entry.deadline = deadline
+                entry.step_dst = dst.get(req_id, [])
                 for block in dst.get(req_id, ()):
                     entry.blocks.add(block)
                     owned[block] = req_id
@@ -191,20 +203,24 @@ class ConsumerSide:
                 return
             entry.chunks += 1
             entry.bytes += int(message.get("bytes", 0))
-            problem = self._note_landed(entry, message) or self._note_digests(entry, message)
+            problem = self._note_landed(entry, message) or self._chunk_digested(entry, message)
             if problem is not None:
                 self._fail_integrity_locked(req_id, problem)
                 return
             if not message.get("last"):
                 return
             self._stats.add(bytes_sent=entry.bytes)
-            if not entry.digests:
+            if entry.digest_mode is None:
                 self._end_locked(req_id, ok=True)
                 return
+            # the outcome once the verifier has checked every layer queued before this
             entry.verifying = True
-            if self._verifier is None:
-                self._verifier = Verifier(self._digester, self._verified, self._stats)
-            self._verifier.submit(req_id, entry, dict(entry.digests))
+            self._verifier_locked().submit_final(req_id, entry)
+
+    def _verifier_locked(self) -> Verifier:
+        if self._verifier is None:
+            self._verifier = Verifier(self._verified, self._stats)
+        return self._verifier
 
     def _verified(self, req_id: str, entry: _Incoming, problem: Optional[str]) -> None:
         """Verifier thread: the outcome of a request whose every byte had landed."""
@@ -230,25 +246,66 @@ class ConsumerSide:
         entry.landed.append(blocks)
         return None
 
-    def _note_digests(self, entry: _Incoming, message: dict) -> Optional[str]:
-        """Keep a chunk notice's block digests; the reason to fail the request if they
-        are missing where the check is on, malformed, or name blocks it did not begin."""
-        digests = message.get("digests")
-        if digests is None:
-            if self._config.integrity_check and int(message.get("bytes", 0)) > 0:
-                return "the producer sent no digests (integrity_check is on here)"
-            return None
-        if self._digester is None:
+    def _layer_digests(self, message: dict, session: Session) -> None:
+        """A ``digests`` notice: one layer of the step's requests has landed; queue its
+        verification. A request whose notice is malformed, in a mode weaker than this
+        consumer asks for, or the wrong size for its blocks fails here."""
+        layer, mode, reqs = message.get("layer"), message.get("mode"), message.get("reqs")
+        if type(layer) is not int or not 0 <= layer < len(self._caches) or not isinstance(reqs, dict):
+            raise ValueError("malformed digests notice")
+        with self._ledger.lock:
+            for req_id, digests in reqs.items():
+                entry = self._incoming.get(str(req_id))
+                if entry is None or entry.verifying:
+                    continue  # reported already (e.g. failed an earlier layer)
+                if entry.owner is not session:
+                    self._stats.add(control_not_owner=1)
+                    log.warning("ignoring digests for request %s from producer %s: it did not "
+                                "begin it", req_id, session.producer)
+                    continue
+                problem = self._digests_problem(entry, mode, digests)
+                if problem is not None:
+                    self._fail_integrity_locked(str(req_id), problem)
+                    continue
+                entry.digest_mode = mode
+                entry.digested_layers.add(layer)
+                self._verifier_locked().submit_layer(str(req_id), entry, self._digester(mode), layer,
+                                                     np.array(entry.step_dst, dtype=np.int64),
+                                                     bytes.fromhex(digests))
+
+    def _digests_problem(self, entry: _Incoming, mode, digests) -> Optional[str]:
+        if mode not in INTEGRITY_MODES or mode == "off":
+            return f"digests in an unknown mode {mode!r}"
+        if INTEGRITY_MODES.index(mode) < INTEGRITY_MODES.index(self._config.integrity_mode):
+            return f"digests in mode {mode!r}; this consumer asks for {self._config.integrity_mode!r}"
+        if entry.digest_mode not in (None, mode):
+            return f"digests in mode {mode!r} after {entry.digest_mode!r}"
+        if any(c.device.type != "cpu" for c in self._caches):
             return "digests for device caches: the integrity check needs host caches"
-        if not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values()):
-            return "malformed digests"
+        if not isinstance(digests, str) or len(digests) != 2 * DIGEST_BYTES * len(entry.step_dst):
+            return "malformed digests (not one per block of the step)"
         try:
-            named = {int(b): d for b, d in digests.items()}
+            bytes.fromhex(digests)
         except ValueError:
             return "malformed digests"
-        if not set(named) <= entry.blocks:
-            return "digests for blocks the request's begin did not name"
-        entry.digests.update(named)
+        return None
+
+    def _digester(self, mode: str) -> BlockDigester:
+        if mode not in self._digesters:
+            self._digesters[mode] = make_digester(mode, self._caches, self._secret)
+        return self._digesters[mode]
+
+    def _chunk_digested(self, entry: _Incoming, message: dict) -> Optional[str]:
+        """At a chunk notice: the reason to fail the request if its step's layers were
+        not all digested where the check is on (either side asked for it)."""
+        layers, entry.digested_layers = entry.digested_layers, set()
+        checked = entry.digest_mode is not None or self._config.integrity_mode != "off"
+        if not checked or int(message.get("bytes", 0)) == 0:
+            return None
+        missing = sorted(set(range(len(self._caches))) - layers)
+        if missing:
+            return (f"the producer sent no digests for layers {missing[:8]} of this chunk "
+                    f"(integrity_check is {self._config.integrity_mode!r} here)")
         return None
 
     def _fail_integrity_locked(self, req_id: str, reason: str) -> None:
@@ -261,6 +318,7 @@ class ConsumerSide:
         """Under the ledger lock: report the request once and forget its blocks. A
         failed request keeps the list of chunks that landed whole (landed_chunks)."""
         entry = self._incoming.pop(req_id)
+        entry.ended = True
         if entry.owner is not None:
             owned = self._owned_blocks.get(entry.owner, {})
             for block in entry.blocks:
@@ -268,7 +326,7 @@ class ConsumerSide:
                     del owned[block]
         # With the integrity check on, bytes count only once verified, and verification
         # runs when the last chunk landed: a failed request's chunks are unverified.
-        if self._config.integrity_check or entry.digests:
+        if self._config.integrity_mode != "off" or entry.digest_mode is not None:
             trust_landed = False
         self._ledger.record_locked(req_id, ok=ok, landed=entry.landed if trust_landed else None)
 
@@ -318,46 +376,6 @@ class ConsumerSide:
             except (OSError, RuntimeError) as exc:
                 problems.append(f"release failed: {exc}")
         return problems
-
-
-class Verifier:
-    """A thread that recomputes the digests of requests whose bytes have all landed,
-    off the control thread (which keeps acknowledging other producers' staging slots
-    meanwhile), and hands each outcome to ``on_done(req_id, entry, problem)``."""
-
-    def __init__(self, digester: BlockDigester, on_done, stats: ConnectorStats) -> None:
-        self._digester, self._on_done, self._stats = digester, on_done, stats
-        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
-        self._thread = threading.Thread(target=self._main, name="kvops-verifier", daemon=True)
-        self._thread.start()
-
-    def submit(self, req_id: str, entry: _Incoming, expected: Dict[int, str]) -> None:
-        self._queue.put((req_id, entry, expected))
-
-    def _main(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            req_id, entry, expected = job
-            try:
-                t0 = time.perf_counter()
-                blocks = sorted(expected)
-                actual = self._digester.block_digests(blocks)
-                self._stats.add(integrity_us=int((time.perf_counter() - t0) * 1e6))
-                bad = [b for b in blocks if actual[b] != expected[b]]
-                problem = (f"{len(bad)} of {len(blocks)} blocks differ from what the producer "
-                           f"pushed (first: block {bad[0]})") if bad else None
-            except Exception as exc:  # the request fails; the thread goes on
-                log.exception("verifying request %s failed", req_id)
-                problem = f"verification failed: {exc}"
-            self._on_done(req_id, entry, problem)
-
-    def close(self, timeout: float) -> bool:
-        """Stop after the queued jobs; True if the thread ended in time."""
-        self._queue.put(None)
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
 
 
 def _block_list(value) -> List[int]:

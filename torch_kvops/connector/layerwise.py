@@ -16,6 +16,8 @@ import torch
 from ..plan import KVLayout, TransferRequest
 from ..staging import uniform_block
 from ..transports.base import Transport, TransportError
+from ..control import derived_secret
+from ..tls import TlsFiles
 from .config import PROTOCOL_VERSION, ConnectorConfig
 from .consumer import ConsumerSide
 from .ledger import ConnectorStats, RequestLedger
@@ -36,7 +38,8 @@ class LayerwiseConnector:
     """
 
     def __init__(self, role: str, transport: Transport, config: Optional[ConnectorConfig] = None,
-                 *, control_host: Optional[str] = None) -> None:
+                 *, control_host: Optional[str] = None, fleet_key: Optional[bytes] = None,
+                 control_tls: Optional[TlsFiles] = None) -> None:
         if role not in ("producer", "consumer"):
             raise ValueError(f"role must be 'producer' or 'consumer', got {role!r}")
         self.role = role
@@ -44,6 +47,9 @@ class LayerwiseConnector:
         self.config = config or ConnectorConfig()
         self.engine_id = uuid.uuid4().hex[:12]
         self._control_host = control_host or transport.address().rsplit(":", 1)[0]
+        # With a fleet key, control secrets are derived (control.derived_secret), never sent.
+        self._fleet_key = fleet_key
+        self._control_tls = control_tls  # mutual TLS on the control channel
         self._caches: List[torch.Tensor] = []
         self._layout: Optional[KVLayout] = None
         self._registered: List[int] = []
@@ -64,8 +70,9 @@ class LayerwiseConnector:
         if len(devices) != 1:
             raise ValueError(f"all KV caches must be on one device, got {sorted(map(str, devices))}")
         device = next(iter(devices))
-        if self.config.integrity_check and device.type != "cpu":
-            raise ValueError("ConnectorConfig(integrity_check=True) needs host (CPU) KV caches; "
+        if self.config.integrity_mode != "off" and device.type != "cpu":
+            raise ValueError(f"ConnectorConfig(integrity_check={self.config.integrity_check!r}) "
+                             "needs host (CPU) KV caches; "
                              f"these are on {device}")
         caches = list(kv_caches)
         # CUDA caches go through pinned host staging: the transport never touches them.
@@ -90,10 +97,14 @@ class LayerwiseConnector:
                 self._registered.append(base)
         if self.role == "producer":
             self._side = ProducerSide(self.engine_id, self._caches, self._layout, self.transport,
-                                      self.config, self._ledger, self._stats, self._can_stage())
+                                      self.config, self._ledger, self._stats, self._can_stage(),
+                                      fleet_key=self._fleet_key, tls=self._control_tls)
         else:
             self._side = ConsumerSide(self._caches, self.transport, self.config, self._ledger,
-                                      self._stats, self._control_host, self._can_stage())
+                                      self._stats, self._control_host, self._can_stage(),
+                                      secret=(derived_secret(self._fleet_key, self.engine_id)
+                                              if self._fleet_key is not None else None),
+                                      tls=self._control_tls)
         log.info("%s %s registered %d KV layers", self.role, self.engine_id, len(self._caches))
 
     def _can_stage(self) -> bool:
@@ -109,13 +120,18 @@ class LayerwiseConnector:
     def peer_info(self) -> dict:
         """Consumer: JSON-serializable description (addresses, cache layout, and the
         secret a producer must prove it knows to use the control channel). Hand it to
-        producers only over the engine's own trusted channel, and do not log it."""
+        producers only over the engine's own trusted channel, and do not log it. With a
+        fleet key there is no secret in it (producers derive it): ``"auth": "fleet"``."""
         self._require("consumer", registered=True)
-        return {"version": PROTOCOL_VERSION, "engine_id": self.engine_id,
+        info = {"version": PROTOCOL_VERSION, "engine_id": self.engine_id,
                 "transport": self.transport.name, "data_address": self.transport.address(),
                 "device": self._caches[0].device.type,
-                "control_address": self._side.control_address, "layout": self._layout.to_json(),
-                "secret": self._side.secret}
+                "control_address": self._side.control_address, "layout": self._layout.to_json()}
+        if self._fleet_key is not None:
+            info["auth"] = "fleet"
+        else:
+            info["secret"] = self._side.secret
+        return info
 
     def add_peer(self, info: dict) -> str:
         """Producer: validate a consumer's layout against ours, connect its control

@@ -18,13 +18,15 @@ import numpy as np
 import torch
 
 from .. import ops
-from ..control import ControlClient
+from ..control import ControlClient, derived_secret
 from ..events import LayerEvents
 from ..plan import KVLayout, StepPlan, TransferRequest, layer_descriptors, validate_step
 from ..staging import ProducerStaging, StagingGrant
+from ..tls import TlsFiles
 from ..transports.base import Transport
 from .config import PROTOCOL_VERSION, ConnectorConfig
-from .integrity import BlockDigester, ChunkDigests, integrity_key
+from .digest_pipeline import DigestPipeline
+from .integrity import make_digester, stronger_mode
 from .ledger import ConnectorStats, RequestLedger
 from .peer import PeerFailed, PeerLink
 
@@ -37,7 +39,6 @@ class _Step:
     done: threading.Event = field(default_factory=threading.Event)
     failed_peers: Dict[str, Optional[str]] = field(default_factory=dict)
     retried_peers: Set[str] = field(default_factory=set)
-    digests: Dict[str, ChunkDigests] = field(default_factory=dict)  # peer id -> this step's
     started: float = field(default_factory=time.monotonic)
 
 
@@ -46,7 +47,8 @@ class ProducerSide:
 
     def __init__(self, engine_id: str, caches: Sequence[torch.Tensor], layout: KVLayout,
                  transport: Transport, config: ConnectorConfig, ledger: RequestLedger,
-                 stats: ConnectorStats, can_stage: bool) -> None:
+                 stats: ConnectorStats, can_stage: bool, fleet_key: Optional[bytes] = None,
+                 tls: Optional[TlsFiles] = None) -> None:
         self._engine_id = engine_id
         self._caches = list(caches)
         self._layout = layout
@@ -55,6 +57,8 @@ class ProducerSide:
         self._ledger = ledger
         self._stats = stats
         self._can_stage = can_stage
+        self._fleet_key = fleet_key
+        self._tls = tls.client_context() if tls is not None else None
         self._peers: Dict[str, PeerLink] = {}
         self._events = LayerEvents(len(caches), caches[0].device)
         for i, cache in enumerate(self._caches):
@@ -64,6 +68,7 @@ class ProducerSide:
         self._last_trace: List[dict] = []
         self._stop = threading.Event()
         self._sender_error: Optional[BaseException] = None
+        self._digests = DigestPipeline(stats)  # integrity digests, overlapped with the writes
         self._sender = threading.Thread(target=self._sender_main, name="kvops-sender", daemon=True)
         self._sender.start()
 
@@ -75,10 +80,19 @@ class ProducerSide:
         if info.get("transport") != self._transport.name:
             raise ValueError(f"peer uses transport {info.get('transport')!r}, this side "
                              f"{self._transport.name!r}")
-        secret = info.get("secret")
-        if not isinstance(secret, str) or not secret:
-            raise ValueError("peer_info has no 'secret': pass the consumer's peer_info() unchanged "
-                             "(a consumer of protocol 2 always includes it)")
+        if self._fleet_key is not None:
+            if info.get("auth") != "fleet":
+                raise ValueError(f"consumer {info.get('engine_id')!r} has no fleet key (its peer_info "
+                                 "carries its own secret): give every engine of the fleet the same key")
+            # derived, never sent (the consumer's proof in the handshake tells whether
+            # it derives the same one)
+            secret = derived_secret(self._fleet_key, str(info.get("engine_id")))
+        else:
+            secret = info.get("secret")
+            if not isinstance(secret, str) or not secret:
+                raise ValueError("peer_info has no 'secret': pass the consumer's peer_info() "
+                                 "unchanged, or give both sides the same fleet key (its "
+                                 "peer_info says \"auth\": \"fleet\")")
         layout = KVLayout.from_json(info["layout"])
         self._layout.check_compatible(layout)
         with self._ledger.lock:
@@ -95,7 +109,7 @@ class ProducerSide:
             known.close()
         control = ControlClient(info["control_address"], timeout_s=self._config.control_timeout_s,
                                 retries=self._config.max_retries,
-                                backoff_s=self._config.retry_backoff_s)
+                                backoff_s=self._config.retry_backoff_s, tls=self._tls)
         control.connect()
         # Mutual: we prove we know the secret, and refuse a consumer that cannot prove it.
         welcome = control.handshake(secret, self._engine_id, self._can_stage)
@@ -110,9 +124,10 @@ class ProducerSide:
                              "layer's blocks must share one block shape and dtype on both sides), "
                              "or ConnectorConfig(direct_device_reads=True) where the transport "
                              "reads device memory without a host copy (RDMA with GPUDirect)")
-        if self._config.integrity_check or welcome.get("integrity"):
+        mode = stronger_mode(self._config.integrity_mode, welcome.get("integrity") or "off")
+        if mode != "off":
             try:
-                peer.digester = BlockDigester(self._caches, integrity_key(secret))
+                peer.digester = make_digester(mode, self._caches, secret)
             except ValueError:
                 peer.close()
                 raise
@@ -249,6 +264,7 @@ class ProducerSide:
                         staged.append(self._write_layer(step, self._peers[peer_id], layer, blocks,
                                                         descriptors, prefetch))
                         self._digest_layer(step, peer_id, layer)
+                self._digests.send_ready(step.failed_peers)  # those of earlier layers, if done
                 t2 = time.perf_counter()
                 self._stats.layer(layer, t1 - t0, t2 - t1)
                 staged = [t for t in staged if t is not None]
@@ -260,6 +276,7 @@ class ProducerSide:
                 remaining.discard(layer)
             self._finish_step(step)
         finally:
+            self._digests.discard()  # left only when the step ended in an exception
             for peer_id in step.plan.by_peer:
                 self._peers[peer_id].drop_prefetch()
 
@@ -324,22 +341,18 @@ class ProducerSide:
         return staged_at
 
     def _digest_layer(self, step: _Step, peer_id: str, layer: int) -> None:
-        """Integrity check: digest the blocks of ``layer`` just written to the peer
-        (its KV is final for this step; later layers still compute meanwhile)."""
+        """Integrity check: digest the blocks of ``layer`` just written to the peer, on
+        the digest worker while the next layer is written (digest_pipeline.py)."""
         peer = self._peers[peer_id]
-        if peer.digester is None or peer_id in step.failed_peers:
-            return
-        t0 = time.perf_counter()
-        digests = step.digests.get(peer_id)
-        if digests is None:
-            digests = step.digests[peer_id] = ChunkDigests(peer.digester, len(self._caches))
-        digests.add_layer(layer, {req.req_id: src for req, src, _ in step.plan.by_peer[peer_id]})
-        self._stats.add(integrity_us=int((time.perf_counter() - t0) * 1e6))
+        if peer.digester is not None and peer_id not in step.failed_peers:
+            sources = {req.req_id: src for req, src, _ in step.plan.by_peer[peer_id]}
+            self._digests.submit(peer, layer, sources)
 
     def _finish_step(self, step: _Step) -> None:
         """Per request: a "chunk landed" notice (all its bytes of this step returned
         from the transport), or a failure notice; the producer reports the outcome."""
         bytes_per_block = sum(layer.block_bytes for layer in self._layout.layers)
+        self._digests.send_ready(step.failed_peers, wait=True)  # digests precede chunk notices
         for peer_id, entries in step.plan.by_peer.items():
             peer = self._peers[peer_id]
             for req, src, dst in entries:
@@ -348,8 +361,6 @@ class ProducerSide:
                         # dst: what landed, so a request that fails later can keep it
                         notice = {"op": "chunk", "req": req.req_id, "last": req.last_chunk,
                                   "bytes": int(src.size) * bytes_per_block, "dst": dst.tolist()}
-                        if peer_id in step.digests:
-                            notice["digests"] = step.digests[peer_id].for_request(req.req_id, dst)
                         peer.send(notice)
                         if req.last_chunk:
                             # a retried write's first attempt may still land late
@@ -415,6 +426,7 @@ class ProducerSide:
         self._sender.join(timeout)
         if self._sender.is_alive():
             problems.append("the sender thread did not stop within the close timeout")
+        self._digests.close(wait=not self._sender.is_alive())
         self._fail_all_in_flight("connector closed")
         with self._ledger.lock:
             peers = list(self._peers.values())

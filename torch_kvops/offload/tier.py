@@ -3,8 +3,8 @@ allocates one host tensor per engine tensor (``num_chunks`` rows of
 ``blocks_per_chunk`` pages) and describes both as a :class:`TierLayout`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -29,18 +29,27 @@ class HostTier:
     engine: List[torch.Tensor]  # (num_blocks, page) views of the engine's caches, kept alive
     host: List[torch.Tensor]
     layout: TierLayout
+    # called once the tensors are dropped (e.g. unmapping a shared host region)
+    on_release: List[Callable[[], None]] = field(default_factory=list)
 
     def release(self) -> None:
         self.engine.clear()
         self.host.clear()
+        hooks, self.on_release = self.on_release, []
+        for hook in hooks:
+            hook()
 
 
 def build_host_tier(tensors: Sequence[torch.Tensor], page_sizes: Sequence[int],
                     groups: Sequence[Sequence[GroupRef]], num_chunks: int,
-                    blocks_per_chunk: int) -> HostTier:
+                    blocks_per_chunk: int,
+                    host_rows: Optional[Callable[[int], torch.Tensor]] = None) -> HostTier:
     """``tensors[i]`` holds engine blocks along dim 0 in pages of ``page_sizes[i]`` bytes
     (padding included; vLLM's ``CanonicalKVCacheTensor``); ``groups[g]`` lists cache
     group ``g``'s layers. The host tier is pinned when the tensors are on a device.
+    ``host_rows(row_bytes)``, if given, supplies each tensor's host rows (an int8
+    ``(num_chunks, row_bytes)`` view, rows may be strided: e.g. a region shared by the
+    ranks of one engine) instead of a private allocation (CPU tensors only).
     Everything is checked before it is allocated."""
     device = _check_device(tensors)
     if len(page_sizes) != len(tensors):
@@ -64,12 +73,22 @@ def build_host_tier(tensors: Sequence[torch.Tensor], page_sizes: Sequence[int],
                     f"does not fit the {page}-byte pages of KV tensor {ref.region}")
 
     pinned = device.type in STREAM_DEVICES  # device copies from pageable memory are synchronous
+    if host_rows is not None and pinned:
+        raise OffloadConfigError("KV offloading: a shared host tier is supported for CPU KV caches only")
     host, regions = [], []
     for t, page in zip(tensors, page_sizes):
-        # torch.empty: a row is read only after a store wrote it, and on the CPU the
-        # tier's pages are committed as it fills instead of all at start-up.
-        h = torch.empty((num_chunks, int(page) * blocks_per_chunk), dtype=torch.int8,
-                        pin_memory=pinned)
+        row_bytes = int(page) * blocks_per_chunk
+        if host_rows is not None:
+            h = host_rows(row_bytes)
+            if (h.dtype != torch.int8 or tuple(h.shape) != (num_chunks, row_bytes) or h.stride(1) != 1
+                    or h.device.type != "cpu"):
+                raise OffloadConfigError(f"KV offloading: host rows {tuple(h.shape)} {h.dtype} stride "
+                                         f"{h.stride()} on {h.device}, expected int8 ({num_chunks}, "
+                                         f"{row_bytes}) with contiguous rows on the CPU")
+        else:
+            # torch.empty: a row is read only after a store wrote it, and on the CPU the
+            # tier's pages are committed as it fills instead of all at start-up.
+            h = torch.empty((num_chunks, row_bytes), dtype=torch.int8, pin_memory=pinned)
         host.append(h)
         regions.append(TierRegion(
             engine_base=t.data_ptr(), engine_block_stride=t.stride(0) * t.element_size(),
@@ -90,7 +109,7 @@ def _check_device(tensors: Sequence[torch.Tensor]) -> torch.device:
         raise OffloadConfigError(f"KV offloading: KV caches on {device.type} are not supported "
                                  "(cpu, cuda and npu are)")
     if device.type in STREAM_DEVICES:
-        from .. import build_info
+        from .._C import build_info
 
         if not build_info()[device.type]:
             raise OffloadConfigError(

@@ -60,8 +60,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ap.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of D")
     ap.add_argument("--compare-kv", action="store_true",
                     help="compare D's KV of each prompt with P's, block by block (first round)")
-    ap.add_argument("--integrity", action="store_true",
-                    help="turn on the connector's end-to-end integrity check on D")
+    ap.add_argument("--integrity", nargs="?", const="mac", default="off",
+                    choices=["off", "checksum", "mac"],
+                    help="the connector's end-to-end integrity check on D (bare flag: mac)")
     ap.add_argument("--engine-setup", default=None, metavar="MODULE:FUNCTION",
                     help="called in every engine process before its engine starts, with the "
                          "process name (instrumentation, fault injection in tests)")
@@ -112,6 +113,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
              "kv_connector_module_path": "torch_kvops.integrations.vllm"}
     prefill_cfg = dict(kvops, kv_role="kv_producer", kv_connector_extra_config={
         "side_channel_port": side_port, "wait_for_decode_s": 10.0, "step_timeout_s": 15.0,
+        "bootstrap_endpoint": False,  # our proxy posts to the side channel itself
         "connector": {"transfer_timeout_s": 5.0, "max_retries": 1, "quarantine_s": 0.2}})
     decode_cfg = dict(kvops, kv_role="kv_consumer", kv_load_failure_policy="recompute",
                       kv_connector_extra_config={"connector": {"lease_s": args.lease_s,

@@ -14,16 +14,18 @@ from .worker import WorkerProcess, serve
 
 
 def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, transport_kwargs,
-                  device="cpu"):
+                  device="cpu", fleet_key=None, control_tls=None):
     import torch
 
-    from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport
+    from ..connector import ConnectorConfig, LayerwiseConnector
+    from ..transports import MooncakeTransport
 
     try:
         caches = [torch.full((num_blocks, *block_shape), -7.0, device=device)
                   for _ in range(num_layers)]
         transport = MooncakeTransport(host="127.0.0.1", **transport_kwargs)
-        connector = LayerwiseConnector("consumer", transport, ConnectorConfig(**config_kwargs))
+        connector = LayerwiseConnector("consumer", transport, ConnectorConfig(**config_kwargs),
+                                       fleet_key=fleet_key, control_tls=control_tls)
         connector.register_kv_caches(caches)
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
@@ -77,7 +79,8 @@ class ConsumerProcess(WorkerProcess):
     """Handle on a consumer process; ``info`` is its ``peer_info()``."""
 
     def __init__(self, num_layers, num_blocks, block_shape, timeout=60.0, transport_kwargs=None,
-                 device="cpu", **config_kwargs):
+                 device="cpu", fleet_key=None, control_tls=None, **config_kwargs):
         super().__init__(consumer_main, (num_layers, num_blocks, block_shape, config_kwargs,
-                                         transport_kwargs or {}, device), "consumer", timeout)
+                                         transport_kwargs or {}, device, fleet_key, control_tls),
+                         "consumer", timeout)
         self.info = self.hello

@@ -64,14 +64,16 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
         self._worker: Optional[KvopsWorker] = None
         if role == KVConnectorRole.SCHEDULER:
             block_size = vllm_config.cache_config.block_size
-            self._scheduler = (ProducerScheduler(self.settings, block_size, parallel.tensor_parallel_size)
+            self._scheduler = (ProducerScheduler(self.settings, block_size, parallel.tensor_parallel_size,
+                                                 engine_id=self._kv_transfer_config.engine_id or "")
                                if self.kv_role == "producer" else ConsumerScheduler(self.settings, block_size))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             worker = ProducerWorker if self.kv_role == "producer" else ConsumerWorker
             self._worker = worker(self.settings, kv_cache_config.num_blocks, total_kv_heads,
-                                  get_tensor_model_parallel_rank(), parallel.tensor_parallel_size)
+                                  get_tensor_model_parallel_rank(), parallel.tensor_parallel_size,
+                                  latent=vllm_config.model_config.use_mla)
 
     @property
     def side_channel_address(self) -> str:

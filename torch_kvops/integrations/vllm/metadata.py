@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata, KVConnectorMetadata)
 
 from ...connector import ConnectorConfig
+
+if TYPE_CHECKING:
+    from .side_channel import FleetAuth, TlsFiles
 
 PUSH_MODES = ("layerwise", "after_forward")
 
@@ -38,10 +41,17 @@ class KvopsSettings:
         a D-first proxy that sends P the request right after D (every chunk then goes
         layer by layer), 0 (the default with late binding) a P-first router. Without
         late binding (default 10 s) the request is then prefilled without push.
-    bootstrap_server_address: prefill side: ``host:port`` of the bootstrap endpoint
-        routers poll (vLLM MooncakeConnector's key, accepted so that its configs work).
     step_timeout_s: bound of wait_for_save per step.
     connector: ConnectorConfig fields (lease_s, transfer_timeout_s, ...).
+    fleet_key_file: the fleet key (else the file ``$KVOPS_FLEET_KEY_FILE`` names): signs
+        every side-channel message and derives the control channel's secrets
+        (side_channel/auth.py); without one, a warning at start-up names what is exposed.
+    auth_skew_s: clock difference accepted between engines (and the replay window).
+    tls_cert_file / tls_key_file / tls_ca_file: mutual TLS on the side channel.
+    side_channel_max_connections: P: connections open at once (the oldest is closed).
+    bootstrap_server_address: P: where ``GET /query`` is served ("host:port", as vLLM's
+        MooncakeConnector reads it; else ``side_channel_host`` and
+        ``$VLLM_MOONCAKE_BOOTSTRAP_PORT``, 8998). bootstrap_endpoint=False: none.
     """
 
     push_mode: str = "layerwise"
@@ -52,11 +62,18 @@ class KvopsSettings:
     hold_for_decode_s: float = 30.0
     max_held_requests: int = 64
     wait_for_decode_s: Optional[float] = None  # None: 0 with late binding, else 10
-    bootstrap_server_address: Optional[str] = None
     post_timeout_s: float = 2.0
     post_retries: int = 2
     step_timeout_s: float = 120.0
     connector: Dict[str, Any] = field(default_factory=dict)
+    fleet_key_file: str = ""
+    auth_skew_s: float = 30.0
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_ca_file: str = ""
+    side_channel_max_connections: int = 64
+    bootstrap_server_address: str = ""
+    bootstrap_endpoint: bool = True
 
     def __post_init__(self) -> None:
         if self.wait_for_decode_s is None:
@@ -82,11 +99,23 @@ class KvopsSettings:
         if not isinstance(settings.max_held_requests, int) or settings.max_held_requests < 0:
             raise ValueError(f"max_held_requests must be an integer >= 0, got "
                              f"{settings.max_held_requests!r}")
-        if settings.bootstrap_server_address is not None and not isinstance(
-                settings.bootstrap_server_address, str):
+        if not isinstance(settings.bootstrap_server_address, str):
             raise ValueError("bootstrap_server_address must be a host:port string")
         ConnectorConfig(**settings.connector)  # reject unknown fields now, not in the worker
+        settings.side_channel_security()  # a missing key file or half the TLS files: now
         return settings
+
+    def fleet_key(self) -> Optional[bytes]:
+        """The fleet key (None without one); read from its file on every call."""
+        from .side_channel import load_fleet_key
+        return load_fleet_key(self.fleet_key_file)
+
+    def side_channel_security(self) -> Tuple[Optional["FleetAuth"], Optional["TlsFiles"]]:
+        """(signing, TLS) of the side channel, each None when not configured."""
+        from .side_channel import FleetAuth, tls_files
+        key = self.fleet_key()
+        return (FleetAuth(key, self.auth_skew_s) if key is not None else None,
+                tls_files(self.tls_cert_file, self.tls_key_file, self.tls_ca_file))
 
     def connector_config(self) -> ConnectorConfig:
         return ConnectorConfig(**self.connector)
@@ -95,7 +124,10 @@ class KvopsSettings:
 @dataclass
 class PushReq:
     """Producer: push these blocks of request ``req_id`` in this step. Every prefill
-    rank gets the same entry and sends its share of the heads (tp.py)."""
+    rank gets the same entry and sends its share of the heads, or with MLA its share
+    of the blocks (tp.py): ``block_offset`` is the position of the chunk's first block
+    in the request's pushed blocks, ``total_blocks`` how many blocks the request pushes
+    (the decode side's count of them)."""
 
     req_id: str  # this engine's request id
     transfer_id: str  # shared with the decode side; parts of it are LayerwiseConnector ids
@@ -107,6 +139,8 @@ class PushReq:
     # the scheduler finished the request already (a late destination of a held
     # request): its blocks are written, and freed once this push ended
     finished: bool = False
+    block_offset: int = 0
+    total_blocks: int = 0
 
 
 @dataclass

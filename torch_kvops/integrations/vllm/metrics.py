@@ -49,6 +49,9 @@ _BOTH = {"requests_finished": "requests_finished", "requests_failed": "requests_
 # lists of samples (seconds)
 SAMPLES = ("layer_transfer_s", "exposed_after_forward_s")
 FAILURE_PREFIX = "failed_"  # failed_<cause>: failures by cause
+# side_channel_<event>: P's side channel (accepted, or a refusal cause) and D's posts
+# (post_<outcome>): side_channel/engine.py
+SIDE_CHANNEL_PREFIX = "side_channel_"
 
 
 @dataclass
@@ -108,6 +111,9 @@ class KvopsConnectorStats(KVConnectorStats):
             out["Held for a late destination"] = int(self.data["holds"])
         for cause, count in self.failures_by_cause().items():
             out[f"Failed ({cause})"] = int(count)
+        for key, count in self.data.items():
+            if key.startswith(SIDE_CHANNEL_PREFIX) and count:
+                out[f"Side channel ({key[len(SIDE_CHANNEL_PREFIX):]})"] = int(count)
         return out
 
 
@@ -118,9 +124,9 @@ class SchedulerCounts:
     def __init__(self) -> None:
         self._counts: Dict[str, int] = {}
 
-    def failure(self, cause: str) -> None:
-        """One failure of ``cause`` (``vllm:kvops_failures{cause=...}``)."""
-        self.count(FAILURE_PREFIX + cause)
+    def failure(self, cause: str, n: int = 1) -> None:
+        """``n`` failures of ``cause`` (``vllm:kvops_failures{cause=...}``)."""
+        self.count(FAILURE_PREFIX + cause, n)
 
     def count(self, key: str, n: int = 1) -> None:
         """Add ``n`` (may be negative for ``held_change``) to counter ``key``."""
@@ -245,6 +251,11 @@ class KvopsPromMetrics(KVConnectorPromMetrics):
             name="vllm:kvops_failures", documentation="Failed KV transfers by cause.",
             labelnames=[*labelnames, "cause"])
         self._failure_children: Dict[tuple, Any] = {}
+        self._side_channel = self._counter_cls(
+            name="vllm:kvops_side_channel",
+            documentation="Side-channel events: on P each destination accepted or refused (by "
+                          "cause), on D each post's outcome (post_<outcome>).",
+            labelnames=[*labelnames, "event"])
 
     def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0) -> None:
         for key, metric in self._counters.items():
@@ -263,6 +274,13 @@ class KvopsPromMetrics(KVConnectorPromMetrics):
                 if child is None:
                     child = self._failures.labels(*self.per_engine_labelvalues[engine_idx], cause)
                     self._failure_children[(engine_idx, cause)] = child
+                child.inc(value)
+            elif key.startswith(SIDE_CHANNEL_PREFIX) and value:
+                event = key[len(SIDE_CHANNEL_PREFIX):]
+                child = self._failure_children.get((engine_idx, "side:" + event))
+                if child is None:
+                    child = self._side_channel.labels(*self.per_engine_labelvalues[engine_idx], event)
+                    self._failure_children[(engine_idx, "side:" + event)] = child
                 child.inc(value)
 
 

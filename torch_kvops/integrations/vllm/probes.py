@@ -40,13 +40,16 @@ def worker_kv(worker, block_ids: List[int], num_tokens: int) -> dict:
 
     A partial last block is cut along its token axes as vLLM 0.32's CPU backend lays a
     block out (checked against its bytes): per KV head, K as [head, block_size] (token
-    axis last), then V as [block_size, head]. Other layouts are returned whole."""
+    axis last), then V as [block_size, head]. An MLA (latent) cache,
+    ``[num_blocks, block_size, latent]``, is cut along its token axis and returned as
+    one replica (``"latent": True``). Other layouts are returned whole."""
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     from .tp import rank_heads
 
     config = worker.vllm_config
-    heads = rank_heads(config.model_config.get_total_num_kv_heads(),
+    latent = config.model_config.use_mla
+    heads = rank_heads(1 if latent else config.model_config.get_total_num_kv_heads(),
                        config.parallel_config.tensor_parallel_size, get_tensor_model_parallel_rank())
     block_size = config.cache_config.block_size
     caches = {}
@@ -66,6 +69,9 @@ def worker_kv(worker, block_ids: List[int], num_tokens: int) -> dict:
             if tokens <= 0:
                 break
             data = cache[block]
+            if latent:
+                blocks.append(data[:tokens].contiguous().numpy().reshape(1, -1).copy())
+                continue
             if not by_head:
                 blocks.append(data.contiguous().cpu().numpy().reshape(1, -1).copy())
                 continue
@@ -75,7 +81,7 @@ def worker_kv(worker, block_ids: List[int], num_tokens: int) -> dict:
             blocks.append(np.concatenate([k.reshape(data.size(0), -1).numpy(),
                                           v.reshape(data.size(0), -1).numpy()], axis=1))
         layers.append(blocks)
-    return {"heads": [heads.start, heads.stop], "layers": layers}
+    return {"heads": [heads.start, heads.stop], "layers": layers, "latent": latent}
 
 
 def counter_total(per_rank: List[dict], key: str) -> int:
@@ -85,7 +91,12 @@ def counter_total(per_rank: List[dict], key: str) -> int:
 
 def merge_ranks(per_rank: List[dict]) -> List[List[np.ndarray]]:
     """The whole KV from every rank's ``worker_kv``: per layer, per block, all KV heads
-    in global order (a replicated head is taken once)."""
+    in global order (a replicated head is taken once). MLA: every rank's replica of
+    the latent, stacked in rank order (each rank received its own copy)."""
+    if per_rank and per_rank[0].get("latent"):
+        num_layers = len(per_rank[0]["layers"])
+        return [[np.concatenate([rank["layers"][layer][j] for rank in per_rank])
+                 for j in range(len(per_rank[0]["layers"][layer]))] for layer in range(num_layers)]
     by_head: Dict[int, List[List[np.ndarray]]] = {}
     for rank in per_rank:
         start, stop = rank["heads"]

@@ -9,9 +9,9 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from .metadata import KvopsConnectorMetadata, KvopsSettings, RecvReq
-from .metrics import FAILURE_PREFIX, KvopsConnectorStats
+from .metrics import KvopsConnectorStats, SchedulerCounts
 from .params import BadTransferParams, DecodeParams, decode_params
-from .side_channel import DestinationPoster
+from .side_channel.engine import SideChannelCounts, start_poster
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -28,7 +28,8 @@ class ConsumerScheduler:
 
     def __init__(self, settings: KvopsSettings, block_size: int) -> None:
         self.settings, self.block_size = settings, block_size
-        self.poster = DestinationPoster(self._posted, settings.post_timeout_s, settings.post_retries)
+        self.poster = start_poster(settings, self._posted)
+        self._side_counts = SideChannelCounts()
         self.peers: Optional[List[dict]] = None  # per-rank peer_info, from the workers' handshakes
         # transfer id -> (request id, the blocks P fills), until P answered the post (the
         # poster thread appends answers to _answers; the engine thread makes RecvReqs)
@@ -137,16 +138,15 @@ class ConsumerScheduler:
         self._in_flight -= set(output.finished_recving or ())
 
     def connector_stats(self) -> Optional[KvopsConnectorStats]:
-        failures = self.poster.failures  # counted by the poster thread
-        if failures == self._post_failures_seen and not self._bad_params:
-            return None
-        stats = KvopsConnectorStats()
+        counts = SchedulerCounts()
+        failures = self.poster.failures  # counted by the poster threads
         if failures != self._post_failures_seen:
-            stats.data[FAILURE_PREFIX + "post_to_prefill"] = failures - self._post_failures_seen
+            counts.failure("post_to_prefill", failures - self._post_failures_seen)
         if self._bad_params:
-            stats.data[FAILURE_PREFIX + "bad_transfer_params"] = self._bad_params
+            counts.failure("bad_transfer_params", self._bad_params)
         self._post_failures_seen, self._bad_params = failures, 0
-        return stats
+        self._side_counts.update(counts, self.poster.counters(), "post_")
+        return counts.take()
 
     def shutdown(self) -> None:
         self.poster.close()

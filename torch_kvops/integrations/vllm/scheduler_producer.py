@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 from .metadata import KvopsConnectorMetadata, KvopsSettings, PushReq
 from .metrics import SchedulerCounts
 from .params import BadTransferParams, for_decode, prefill_params
-from .side_channel import DestinationServer
+from .side_channel.engine import SideChannelCounts, start_prefill_endpoints
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -76,10 +76,11 @@ class _Push:
 class ProducerScheduler:
     """P side: binds destinations as they arrive and plans per-step pushes."""
 
-    def __init__(self, settings: KvopsSettings, block_size: int, tp_size: int = 1) -> None:
+    def __init__(self, settings: KvopsSettings, block_size: int, tp_size: int = 1,
+                 engine_id: str = "") -> None:
         self.settings, self.block_size = settings, block_size
-        self.server = DestinationServer(settings.side_channel_host, settings.side_channel_port,
-                                        facts={"prefill_tp": tp_size})
+        self.server, self.bootstrap = start_prefill_endpoints(settings, tp_size, engine_id)
+        self._side_counts = SideChannelCounts()
         self._waiting: Dict[str, float] = {}  # late binding off: req_id -> wait deadline
         self._no_push: Set[str] = set()
         self._pushes: Dict[str, _Push] = {}  # scheduled requests with a transfer
@@ -176,8 +177,10 @@ class ProducerScheduler:
         push.pushed_tokens = end
         push.done = end >= prompt
         push.emitted = True
+        base = push.start_token // self.block_size  # D's first block P fills
         meta.push.append(PushReq(req.request_id, push.transfer_id, push.peers, src[first:last],
-                                 push.dst_blocks[first:last], push.done, push.push_mode, finished))
+                                 push.dst_blocks[first:last], push.done, push.push_mode, finished,
+                                 block_offset=first - base, total_blocks=len(push.dst_blocks) - base))
 
     def _push_held(self, meta: KvopsConnectorMetadata) -> None:
         """Held requests whose destination arrived: every block at once."""
@@ -256,7 +259,12 @@ class ProducerScheduler:
 
     def connector_stats(self):
         """Scheduler-side counts since the last call (metrics.py), or None."""
+        self._side_counts.update(self.counts, self.server.counters(), "")
         return self.counts.take()
 
     def shutdown(self) -> None:
-        self.server.close()
+        try:
+            if self.bootstrap is not None:
+                self.bootstrap.close()
+        finally:
+            self.server.close()

@@ -56,19 +56,24 @@ def block_views(name: str, cache: torch.Tensor, num_blocks: int,
 class KvopsWorker:
     """What both roles share, one per worker process (one per tensor-parallel rank):
     the transport and LayerwiseConnector, the cache views it moves, metrics.
-    ``total_kv_heads`` is the model's, ``tp_rank``/``tp_size`` this engine's."""
+    ``total_kv_heads`` is the model's, ``tp_rank``/``tp_size`` this engine's; ``latent``:
+    an MLA model, whose cache (one latent per token, the same on every rank) moves by
+    whole blocks, each prefill rank sending its share of them (tp.py)."""
 
     role = ""  # "producer" (P) or "consumer" (D), set by the subclass
 
     def __init__(self, settings: KvopsSettings, num_blocks: int, total_kv_heads: int = 1,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, latent: bool = False) -> None:
         self.settings, self.num_blocks = settings, num_blocks
         self.total_kv_heads, self.tp_rank, self.tp_size = total_kv_heads, tp_rank, tp_size
-        self.heads = rank_heads(total_kv_heads, tp_size, tp_rank)
+        self.latent = latent
+        self.heads = rank_heads(1 if latent else total_kv_heads, tp_size, tp_rank)
         self._by_head = False  # units are heads of blocks (tp.py), else whole blocks
         self.transport = MooncakeTransport(host=settings.host)
         try:
-            self.conn = LayerwiseConnector(self.role, self.transport, settings.connector_config())
+            self.conn = LayerwiseConnector(self.role, self.transport, settings.connector_config(),
+                                           fleet_key=settings.fleet_key(),
+                                           control_tls=settings.side_channel_security()[1])
         except BaseException:
             self.transport.close()
             raise
@@ -79,9 +84,14 @@ class KvopsWorker:
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         caches = []
         first = kv_caches[min(kv_caches, key=_layer_index)]
-        self._by_head = (first.dim() >= 3 and first.size(0) == self.num_blocks
+        if self.latent and not (first.dim() >= 2 and first.size(0) == self.num_blocks
+                                and first[0].is_contiguous()):
+            raise ValueError(f"MLA KV cache layout shape={tuple(first.shape)} stride={first.stride()}: "
+                             "KvopsLayerwiseConnector needs [num_blocks, block_size, latent] with "
+                             "each block contiguous")
+        self._by_head = (not self.latent and first.dim() >= 3 and first.size(0) == self.num_blocks
                          and first.size(1) == len(self.heads) and first.is_contiguous())
-        if not self._by_head and self.tp_size > 1:
+        if not self._by_head and not self.latent and self.tp_size > 1:
             raise ValueError(f"KV cache layout shape={tuple(first.shape)}: tensor parallelism needs "
                              "[num_blocks, kv_heads, ...] with contiguous blocks (a head range of a "
                              "block must be contiguous to move it between ranks)")

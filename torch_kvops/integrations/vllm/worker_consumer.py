@@ -9,7 +9,7 @@ from collections import OrderedDict
 from typing import Dict, List, Set, Tuple
 
 from .metadata import KvopsConnectorMetadata, KvopsSettings
-from .tp import expected_parts, part_id
+from .tp import expected_parts, latent_expected_parts, part_id
 from .worker import KvopsWorker
 
 log = logging.getLogger(__name__)
@@ -21,8 +21,8 @@ class ConsumerWorker(KvopsWorker):
     role = "consumer"
 
     def __init__(self, settings: KvopsSettings, num_blocks: int, total_kv_heads: int = 1,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__(settings, num_blocks, total_kv_heads, tp_rank, tp_size)
+                 tp_rank: int = 0, tp_size: int = 1, latent: bool = False) -> None:
+        super().__init__(settings, num_blocks, total_kv_heads, tp_rank, tp_size, latent)
         self._recv_tid_to_req: Dict[str, str] = {}  # part id -> request id
         self._recv_left: Dict[str, Set[str]] = {}  # request id -> parts not yet ended
         self._recv_bad: Set[str] = set()  # requests with a failed part
@@ -41,7 +41,7 @@ class ConsumerWorker(KvopsWorker):
         """This rank's consumer peer_info, with its tensor-parallel rank and how its
         units address heads."""
         return dict(self.conn.peer_info(), tp_rank=self.tp_rank, tp_size=self.tp_size,
-                    by_head=self._by_head)
+                    by_head=self._by_head, latent=self.latent)
 
     def begin_step(self, meta: KvopsConnectorMetadata) -> None:
         for recv in meta.recv:
@@ -54,7 +54,9 @@ class ConsumerWorker(KvopsWorker):
             self._ended_failed.add(req_id)
             return
         self._recv_blocks[req_id] = list(block_ids)
-        if self._by_head:
+        if self.latent:
+            parts = latent_expected_parts(transfer_id, len(block_ids), prefill_tp, self.tp_rank)
+        elif self._by_head:
             parts = expected_parts(transfer_id, self.total_kv_heads, prefill_tp, self.tp_size,
                                    self.tp_rank)
         else:

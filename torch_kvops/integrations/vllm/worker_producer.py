@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from ...plan import TransferRequest
 from .metadata import KvopsConnectorMetadata, KvopsSettings
-from .tp import part_id, plan_parts
+from .tp import latent_parts, part_id, plan_parts
 from .worker import KvopsWorker
 
 log = logging.getLogger(__name__)
@@ -29,8 +29,8 @@ class ProducerWorker(KvopsWorker):
     role = "producer"
 
     def __init__(self, settings: KvopsSettings, num_blocks: int, total_kv_heads: int = 1,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__(settings, num_blocks, total_kv_heads, tp_rank, tp_size)
+                 tp_rank: int = 0, tp_size: int = 1, latent: bool = False) -> None:
+        super().__init__(settings, num_blocks, total_kv_heads, tp_rank, tp_size, latent)
         self._step_mode: Optional[str] = None  # push mode of the running step, if any
         self._step_tids: List[str] = []
         self._step_started = 0.0  # time.monotonic() when the running step was handed over
@@ -99,6 +99,8 @@ class ProducerWorker(KvopsWorker):
         """This rank's parts of one chunk: per decode rank it sends heads to, the units
         of those heads in the chunk's blocks (None for a rank that cannot be reached)."""
         decode_tp = len(push.peers)
+        if self.latent or any(p.get("latent") for p in push.peers):
+            return self._plan_latent(push)
         by_head = all(p.get("by_head") for p in push.peers) and self._by_head
         if not by_head and (decode_tp != self.tp_size or not self._by_head and self.tp_size != 1):
             raise ValueError(f"request {push.req_id}: different tensor-parallel sizes ({self.tp_size} "
@@ -117,6 +119,23 @@ class ProducerWorker(KvopsWorker):
                 continue
             src, dst = plan.units(push.src_blocks, push.dst_blocks)
             out.append(TransferRequest(part_id(push.transfer_id, self.tp_rank, plan.decode_rank),
+                                       peer, src, dst, last_chunk=push.last_chunk))
+        return out
+
+    def _plan_latent(self, push) -> List[Optional[TransferRequest]]:
+        """MLA: this rank's share of the chunk's blocks for every decode rank (tp.py).
+        A part with none of its blocks in this chunk still goes out, empty, so that
+        its last chunk ends it and no chunk leaves the request looking finished here."""
+        if not (self.latent and all(p.get("latent") for p in push.peers)):
+            raise ValueError(f"request {push.req_id}: an MLA (latent) cache on one side only")
+        out: List[Optional[TransferRequest]] = []
+        for part in latent_parts(push.total_blocks, self.tp_size, self.tp_rank, len(push.peers)):
+            peer = self._peer(push.peers[part.decode_rank])
+            if peer is None:
+                out.append(None)
+                continue
+            src, dst = part.chunk(push.block_offset, push.src_blocks, push.dst_blocks)
+            out.append(TransferRequest(part_id(push.transfer_id, self.tp_rank, part.decode_rank),
                                        peer, src, dst, last_chunk=push.last_chunk))
         return out
 

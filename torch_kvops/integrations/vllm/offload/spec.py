@@ -15,6 +15,7 @@ import dataclasses
 import mmap
 from typing import Any, Mapping, Optional
 
+from vllm.platforms import current_platform
 from vllm.utils.math_utils import round_up
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
@@ -53,9 +54,13 @@ class KvopsOffloadingSpec(CPUOffloadingSpec):
         self._kvops_worker: Optional[KvopsOffloadingWorker] = None
 
     def _uses_shared_region(self) -> bool:
-        # Each worker owns a private host tensor (no shared mmap region), so every rank
-        # stores its own bytes (no replicated single-copy layout).
-        return False
+        # CPUOffloadingSpec keeps one host copy per block (``replicated_layout``: an MLA
+        # model with TP on one machine, mp executor, every rank's cache a replica) only
+        # when the workers share their host buffer. Ours can on the CPU: the ranks map
+        # one /dev/shm region and all address the slot of rank 0; vLLM's connector then
+        # lets rank 0 alone store and every rank load. On devices each rank keeps a
+        # private (pinned) tier and its own copy.
+        return current_platform.is_cpu()
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._kvops_worker is None:
@@ -64,20 +69,47 @@ class KvopsOffloadingSpec(CPUOffloadingSpec):
                 raise OffloadConfigError(
                     f"KvopsOffloadingSpec: the worker got KV tensors for {len(groups)} cache groups, "
                     f"the offloading config names {len(self.config.groups)}")
-            # The refs' canonical mappings are not used: canonical_layout is refused above.
-            tier = build_host_tier(
-                [t.tensor for t in kv_caches.tensors], [t.page_size_bytes for t in kv_caches.tensors],
-                [[GroupRef(r.tensor_idx, r.page_size_bytes) for r in refs] for refs in groups],
-                self.num_chunks, self.blocks_per_chunk)
+            region = self._shared_region() if self.replicated_layout and self.num_chunks > 0 else None
+            try:
+                # The refs' canonical mappings are not used: canonical_layout is refused above.
+                tier = build_host_tier(
+                    [t.tensor for t in kv_caches.tensors], [t.page_size_bytes for t in kv_caches.tensors],
+                    [[GroupRef(r.tensor_idx, r.page_size_bytes) for r in refs] for refs in groups],
+                    self.num_chunks, self.blocks_per_chunk,
+                    host_rows=None if region is None else region.create_next_worker_view)
+            except BaseException:
+                if region is not None:
+                    region.cleanup()
+                raise
+            if region is not None:
+                tier.on_release.append(region.cleanup)
             self._kvops_worker = KvopsOffloadingWorker(tier)
         return self._kvops_worker
+
+
+    def _shared_region(self):
+        """The host tier every rank of this engine maps (replicated layout): one slot
+        per chunk row, the slot of rank 0 for every rank (vLLM's layout and file,
+        ``/dev/shm/vllm_offload_<engine_id>.mmap``, unlinked once every rank mapped it)."""
+        from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+        from vllm.v1.kv_offload.cpu.spec import _all_workers_barrier
+
+        return SharedOffloadRegion(engine_id=self.config.engine_id, num_chunks=self.num_chunks, rank=0,
+                                   kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                                   cpu_page_size=self.cpu_page_size_per_worker, barrier=_all_workers_barrier)
 
 
 def _chunk_bytes(config: OffloadingConfig) -> int:
     """Bytes of one host chunk across all workers, page-rounded (CPUOffloadingSpec's
     arithmetic: its ``num_chunks`` is ``cpu_bytes_to_use`` divided by this)."""
-    per_block = config.worker_kv_bytes_per_block * max(config.parallel.world_size, 1)
+    copies = 1 if _single_copy(config) else max(config.parallel.world_size, 1)
+    per_block = config.worker_kv_bytes_per_block * copies
     return round_up(per_block * config.cache.blocks_per_chunk, mmap.PAGESIZE)
+
+
+def _single_copy(config: OffloadingConfig) -> bool:
+    """One host copy per block for all ranks (KvopsOffloadingSpec._uses_shared_region)."""
+    return bool(config.replicated_layout) and current_platform.is_cpu()
 
 
 def _positive_int(extra: Mapping[str, Any], key: str) -> int:

@@ -25,6 +25,8 @@ class KvopsOffloadingWorker(OffloadingWorker):
 
     def __init__(self, tier: HostTier):
         self.mover = HostTierMover(tier)
+        # jobs submitted to this rank (with one shared host copy, rank 0 alone stores)
+        self.jobs_submitted = {"store": 0, "load": 0}
 
     @property
     def tier(self) -> HostTier:
@@ -35,6 +37,7 @@ class KvopsOffloadingWorker(OffloadingWorker):
         _check_specs("store", job_id, src_spec, dst_spec)
         self.mover.store(job_id, src_spec.block_ids, src_spec.group_sizes, src_spec.block_indices,
                          dst_spec.block_ids)
+        self.jobs_submitted["store"] += 1
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
@@ -45,6 +48,7 @@ class KvopsOffloadingWorker(OffloadingWorker):
         _check_specs("load", job_id, dst_spec, src_spec)
         self.mover.load(job_id, dst_spec.block_ids, dst_spec.group_sizes, dst_spec.block_indices,
                         src_spec.block_ids)
+        self.jobs_submitted["load"] += 1
         return True
 
     def get_finished(self) -> List[TransferResult]:

@@ -1,0 +1,80 @@
+"""Producer side of the integrity check: each written layer's digests computed on a
+worker thread while the sender thread writes the next layer, and sent to the peer
+(a ``digests`` notice) by the sender thread, in layer order, once they are ready.
+
+    sender: write layer i -> submit(i) -> write layer i+1 -> send_ready() -> ...
+    worker:                  digest layer i (GIL released in the hashing) ...
+
+A layer's notice follows its bytes on the wire (its write returned, its staging
+scatters were sent before it on the same control channel), so the consumer may verify
+the layer as soon as the notice arrives. Everything is sent before the step's chunk
+notices (``flush``), so a request is never reported landed with digests missing.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Deque, Dict, Optional, Tuple
+
+import numpy as np
+
+from .integrity import DIGEST_BYTES, BlockDigester
+from .ledger import ConnectorStats
+from .peer import PeerFailed, PeerLink
+
+
+class DigestPipeline:
+    """One worker thread; jobs are (peer, layer, the step's source blocks per request)."""
+
+    def __init__(self, stats: ConnectorStats) -> None:
+        self._stats = stats
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvops-digest")
+        self._pending: Deque[Tuple[PeerLink, int, Future]] = deque()
+
+    def submit(self, peer: PeerLink, layer: int, req_blocks: Dict[str, np.ndarray]) -> None:
+        """Digest ``layer`` of each request's source blocks (already written to ``peer``)."""
+        digester = peer.digester
+        assert digester is not None
+        self._pending.append((peer, layer, self._pool.submit(self._digest, digester, layer, req_blocks)))
+
+    def _digest(self, digester: BlockDigester, layer: int,
+                req_blocks: Dict[str, np.ndarray]) -> Dict[str, str]:
+        t0 = time.perf_counter()
+        # one call over the step's blocks of every request (the native op parallelises it)
+        merged = digester.layer_digests(layer, np.concatenate(list(req_blocks.values())))
+        out, at = {}, 0
+        for req_id, src in req_blocks.items():
+            out[req_id] = merged[at:at + src.size * DIGEST_BYTES].hex()
+            at += src.size * DIGEST_BYTES
+        self._stats.add(integrity_us=int((time.perf_counter() - t0) * 1e6))
+        return out
+
+    def send_ready(self, failed_peers: Dict[str, Optional[str]], wait: bool = False) -> None:
+        """Send the notices of the layers digested so far, in order (all of them, waiting
+        for the worker, with ``wait``). A peer whose channel fails is added to
+        ``failed_peers``; notices for failed peers are dropped."""
+        while self._pending and (wait or self._pending[0][2].done()):
+            peer, layer, future = self._pending.popleft()
+            digests = future.result()  # an exception here is the sender thread's (reported)
+            if peer.peer_id in failed_peers:
+                continue
+            try:
+                peer.send({"op": "digests", "layer": layer, "mode": peer.digester.mode,
+                           "reqs": digests})
+            except PeerFailed as exc:
+                failed_peers[peer.peer_id] = str(exc)
+
+    def discard(self) -> None:
+        """Forget what is pending (a failed step): waits for the running job."""
+        while self._pending:
+            self._pending.popleft()[2].exception()
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker. ``wait=False`` where the sender thread may still run (it did
+        not stop in time): its pending jobs are left to it, and the worker ends after
+        the running one."""
+        if wait:
+            self.discard()
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)
+

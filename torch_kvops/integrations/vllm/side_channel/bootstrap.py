@@ -1,0 +1,132 @@
+"""P's bootstrap endpoint: ``GET /query`` answered as vLLM's MooncakeConnector does.
+
+vllm-router (``--kv-connector mooncake``) and vLLM's mooncake proxy poll
+``GET http://<P host>:<bootstrap port>/query`` before they serve, and read
+``{dp_rank: {"engine_id": ..., "worker_addr": {tp_rank: {pp_rank: addr}}}}``
+(vLLM's ``MooncakeBootstrapServer.query``). We answer the same shape for our single
+data-parallel rank, the side-channel address in place of the ZMQ worker addresses, and
+our own facts under ``"kvops"`` (``side_channel``, ``prefill_tp``, ``auth``, ``tls``).
+A decode engine given ``remote_bootstrap_addr`` reads the side channel from there.
+
+Public facts only: no secret is ever in the answer. Bounded: at most
+``max_clients`` requests are served at once (more are closed at accept), each with
+``timeout_s`` per socket operation.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socketserver
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Dict, Tuple
+
+log = logging.getLogger(__name__)
+
+BOOTSTRAP_PORT_ENV = "VLLM_MOONCAKE_BOOTSTRAP_PORT"
+DEFAULT_BOOTSTRAP_PORT = 8998
+
+
+def bootstrap_address(configured: str, default_host: str) -> Tuple[str, int]:
+    """Where P's bootstrap endpoint listens: ``configured`` ("host:port", vLLM's
+    ``bootstrap_server_address``), else ``default_host`` and
+    ``$VLLM_MOONCAKE_BOOTSTRAP_PORT`` (8998 by default), as vLLM's MooncakeConnector."""
+    if configured:
+        host, sep, port = configured.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise ValueError(f"bootstrap_server_address {configured!r} is not host:port")
+        return host.strip("[]"), int(port)
+    port = os.environ.get(BOOTSTRAP_PORT_ENV, str(DEFAULT_BOOTSTRAP_PORT))
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"${BOOTSTRAP_PORT_ENV}={port!r} is not a port number")
+    return default_host, int(port)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: "_Server"
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.path.split("?", 1)[0] != "/query":
+            self._send(404, {"error": "not found: this endpoint serves GET /query"})
+            return
+        self._send(200, self.server.answer)
+
+    def _send(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+        self.close_connection = True
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        log.debug("bootstrap: " + format, *args)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = False  # joined by server_close(): no thread outlives close()
+    block_on_close = True
+
+    def __init__(self, address: Tuple[str, int], answer: dict, timeout_s: float,
+                 max_clients: int) -> None:
+        self.answer, self.timeout_s = answer, timeout_s
+        self._slots = threading.BoundedSemaphore(max_clients)
+        self.refused = 0
+        super().__init__(address, _Handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind looks our name up in DNS (getfqdn), which can hang
+        # where resolution is slow; the name is never used here.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        request.settimeout(self.timeout_s)
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class BootstrapServer:
+    """P's ``GET /query`` endpoint (see the module docstring); ``.address`` is
+    "host:port", ``url`` what a decode engine takes as ``remote_bootstrap_addr``."""
+
+    def __init__(self, host: str, port: int, engine_id: str, side_channel: str, prefill_tp: int,
+                 *, signed: bool, tls: bool, timeout_s: float = 2.0, max_clients: int = 16) -> None:
+        facts: Dict[str, object] = {"side_channel": side_channel, "prefill_tp": int(prefill_tp),
+                                    "auth": "hmac-sha256" if signed else "none", "tls": bool(tls)}
+        answer = {"0": {"engine_id": engine_id,
+                        "worker_addr": {str(rank): {"0": side_channel} for rank in range(prefill_tp)},
+                        "kvops": facts}}
+        self._server = _Server((host, port), answer, timeout_s, max_clients)
+        self.address = f"{host}:{self._server.server_address[1]}"
+        self.url = f"http://{self.address}"
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name="kvops-bootstrap", daemon=True)
+        self._thread.start()
+        log.info("kvops bootstrap endpoint: GET %s/query", self.url)
+
+    @property
+    def refused(self) -> int:
+        """Connections closed at accept because ``max_clients`` were being served."""
+        return self._server.refused
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._server.shutdown()
+        self._thread.join(timeout)
+        self._server.server_close()  # joins the request threads (each bounded by timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError("kvops bootstrap thread did not stop")
+
