@@ -1,6 +1,11 @@
 """P/D as users serve it, under load and faults: `vllm serve` API servers (2 P, 2 D and a
-monolithic reference) behind our proxy (concurrent dispatch), loaded by vLLM's own
-benchmark client (`vllm bench serve`, torch_kvops.serving.load).
+monolithic reference) behind vLLM's router (`vllm-router --vllm-pd-disaggregation
+--kv-connector mooncake`: P first) and behind our proxy (concurrent dispatch), loaded
+by vLLM's own benchmark client (`vllm bench serve`, torch_kvops.serving.load).
+
+- Behind vllm-router every answer equals the reference and its KV came from P (late
+  binding: P pushes when D's destination arrives after P's answer); the negative
+  control is a P without late binding behind the same router: D recomputes.
 
 - Under load every answer equals the monolithic reference's (greedy, same prompts: the
   random dataset with the same seed) and D computed exactly one prompt token per
@@ -27,7 +32,7 @@ import pytest
 from torch_kvops.serving import prometheus
 from torch_kvops.serving.load import random_load_args, run_load
 from torch_kvops.serving.model import random_prompt, write_serving_model
-from torch_kvops.serving.servers import ProxySpec, Servers, ServerSpec
+from torch_kvops.serving.servers import ProxySpec, RouterSpec, Servers, ServerSpec
 
 LEASE_S = 15.0  # D: a transfer whose P died is recomputed after this
 HOLD_S = 8.0  # P: blocks held for a destination that never comes
@@ -71,7 +76,7 @@ class Fleet:
     def wait_all_idle(self, timeout: float) -> Dict[str, dict]:
         """Wait until every engine is idle with its block pool free (and P holds
         nothing); return the last states for the assertion message."""
-        names = ["P1", "P2", "D1", "D2", "ref"]
+        names = ["P1", "P2", "P3", "D1", "D2", "ref"]
         deadline = time.monotonic() + timeout
         while True:
             states = {}
@@ -102,6 +107,12 @@ def fleet():
         decode = [servers.add(ServerSpec(f"D{i}", model, role="decode", lease_s=LEASE_S, threads=1))
                   for i in (1, 2)]
         servers.add(ServerSpec("ref", model, role="monolithic", threads=1))
+        # negative control for the router: a P without late binding (it waits 2 s for a
+        # destination, then prefills without push; the router sends D only after that)
+        no_late = servers.add(ServerSpec("P3", model, role="prefill", threads=1, kv_connector_extra_config={
+            "late_binding": False, "wait_for_decode_s": 2.0}))
+        servers.add(RouterSpec("router", prefill, decode))
+        servers.add(RouterSpec("router-nolate", [no_late], decode))
         servers.add(ProxySpec("proxy", prefill, decode, order="concurrent",
                               extra_args=["--down-s", "3", "--retries", "3"]))
         servers.add(ProxySpec("proxy-nokv", prefill, decode, order="concurrent",
@@ -142,6 +153,38 @@ def test_load_answers_equal_reference_and_decode_computes_one_token(fleet):
     assert local <= requests, f"D computed {local} prompt tokens for {requests} requests"
     assert external + local == prompt_tokens, (external, local, prompt_tokens)
     fleet.wait_all_idle(30)
+
+
+ROUTER_LOAD = dict(num_prompts=40, input_len=1000, range_ratio=0.95, seed=11)  # 50-1950
+
+
+def test_vllm_router_p_first_moves_every_prompt_from_prefill(fleet):
+    """vLLM's router as users run it: P first (max_tokens=1), then D with P's
+    bootstrap address; our P binds D's destination after its answer and pushes."""
+    ref = fleet.reference(**ROUTER_LOAD)
+    before = {s: fleet.prompt_tokens(s) for s in ("local_compute", "external_kv_transfer")}
+    held_before = sum(fleet.counter(p, "vllm:kvops_holds_pushed_total") for p in ("P1", "P2"))
+    got = fleet.load("router", **ROUTER_LOAD)
+    wrong = _same_answers(got, ref)
+    assert not wrong, f"{len(wrong)} answers differ from the reference: {wrong[:10]} {got['errors'][:3]}"
+    local = fleet.prompt_tokens("local_compute") - before["local_compute"]
+    external = fleet.prompt_tokens("external_kv_transfer") - before["external_kv_transfer"]
+    assert local <= ROUTER_LOAD["num_prompts"], f"D computed {local} prompt tokens"
+    assert external + local == sum(got["input_lens"])
+    held_pushed = sum(fleet.counter(p, "vllm:kvops_holds_pushed_total") for p in ("P1", "P2")) - held_before
+    assert held_pushed == ROUTER_LOAD["num_prompts"]  # every destination came after P finished
+    fleet.wait_all_idle(30)
+
+
+def test_vllm_router_negative_control_without_late_binding_decode_recomputes(fleet):
+    phase = dict(num_prompts=4, input_len=400, range_ratio=0.5, seed=12)
+    ref = fleet.reference(**phase)
+    before = fleet.prompt_tokens("local_compute")
+    got = fleet.load("router-nolate", **phase)
+    assert not _same_answers(got, ref)  # right answers, but D computed them itself
+    local = fleet.prompt_tokens("local_compute") - before
+    assert local == sum(got["input_lens"]), (local, got["input_lens"])
+    fleet.wait_all_idle(LEASE_S + 30)
 
 
 def test_negative_control_without_transfer_decode_computes_the_prompts(fleet):
