@@ -194,6 +194,7 @@ class RouterSpec:
     kv_connector: str = "mooncake"
     policy: str = "round_robin"
     port: int = 0
+    prometheus_port: int = 0  # the router's own exporter (its default, 29000, is shared)
     host: str = "127.0.0.1"
     extra_args: List[str] = field(default_factory=list)
     env: Dict[str, str] = field(default_factory=dict)
@@ -201,8 +202,11 @@ class RouterSpec:
     role: str = "proxy"  # started after the servers it fronts
 
     def command(self) -> List[str]:
+        if not self.prometheus_port:
+            self.prometheus_port = free_port(self.host)
         cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation",
                "--kv-connector", self.kv_connector, "--host", self.host, "--port", str(self.port),
+               "--prometheus-host", self.host, "--prometheus-port", str(self.prometheus_port),
                "--policy", self.policy, "--request-timeout-secs", "600"]
         for p in self.prefill:
             cmd += ["--prefill", p.url, str(p.spec.bootstrap_port)]
