@@ -4,7 +4,8 @@
 #   * torch_kvops is imported from site-packages (not from this checkout),
 #   * every package of the source tree is in the wheel and imports,
 #   * an op runs, the connector imports,
-#   * `python -m torch_kvops.bench --help` and `python -m torch_kvops.demo --help` work
+#   * `python -m torch_kvops.bench --help`, `python -m torch_kvops.demo --help`,
+#     `python -m torch_kvops.serving.pd_compare --help` and `python -m torch_kvops.bench.pd_sweep --help` work
 #     (without matplotlib, which only the `plot` extra installs).
 #
 # The wheel is built with the dev venv's torch (--no-build-isolation): an isolated build
@@ -94,4 +95,9 @@ PY
 grep -q -- "--quick" bench-help.txt
 "$CLEAN" -m torch_kvops.demo --help > demo-help.txt
 grep -q -- "--prompt-len" demo-help.txt
+# the P/D comparison and its sweep run from the package, not from examples/
+"$CLEAN" -m torch_kvops.serving.pd_compare --help > compare-help.txt
+grep -q -- "--prompt-lens" compare-help.txt
+"$CLEAN" -m torch_kvops.bench.pd_sweep --help > sweep-help.txt
+grep -q -- "--rates" sweep-help.txt
 log "passed in $((SECONDS - START)) s"

