@@ -43,7 +43,6 @@ ROLES = ("prefill", "decode", "monolithic")
 CONNECTOR = {"kv_connector": "KvopsLayerwiseConnector",
              "kv_connector_module_path": "torch_kvops.integrations.vllm"}
 BASE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB per server; the test model is tiny
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # several servers share the machine's cores
     "TOKENIZERS_PARALLELISM": "false",
 }
@@ -93,6 +92,10 @@ class ServerSpec:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 8
     dtype: str = "float32"
+    # the block pool's size (--kv-cache-memory-bytes); 256 MiB holds 64k tokens of the
+    # 4-layer test model. VLLM_CPU_KVCACHE_SPACE (whole GiB) would override it: it is
+    # removed from the server's environment unless ``env`` sets it.
+    kv_cache_bytes: int = 256 << 20
     seed: int = 0
     served_model_name: Optional[str] = None
     side_channel_port: int = 0
@@ -130,7 +133,8 @@ class ServerSpec:
                "--seed", str(self.seed), "--enforce-eager", "--block-size", str(self.block_size),
                "--max-model-len", str(self.max_model_len),
                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-               "--max-num-seqs", str(self.max_num_seqs), "--no-enable-prefix-caching"]
+               "--max-num-seqs", str(self.max_num_seqs), "--no-enable-prefix-caching",
+               "--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         if self.tensor_parallel_size > 1:
@@ -143,6 +147,7 @@ class ServerSpec:
 
     def environment(self) -> Dict[str, str]:
         env = dict(os.environ, **BASE_ENV)
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
         env.update(self.env)
