@@ -164,6 +164,7 @@ def test_client_disconnect_mid_stream_aborts_on_p_and_d(cluster):
     body = dict(body_for("completion", prompts[1]), max_tokens=3000, ignore_eos=True, stream=True)
     host, port = proxy.url.rsplit("/", 1)[1].split(":")
     payload = json.dumps(body).encode()
+    generated = sum(prometheus.total(servers[d].metrics(), "vllm:generation_tokens_total") for d in DS)
     with socket.create_connection((host, int(port)), timeout=60) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
@@ -178,6 +179,10 @@ def test_client_disconnect_mid_stream_aborts_on_p_and_d(cluster):
     states = wait_all_idle(servers, timeout=20.0)  # 3000 tokens would take minutes
     print(f"P and D idle with free block pools {time.monotonic() - left:.2f} s after the client left")
     assert proxy_counters(proxy).get("kvops_proxy_client_disconnects_total", 0) >= 1
+    # D stopped generating when the client left: far fewer than the 3000 tokens asked for
+    generated = sum(prometheus.total(servers[d].metrics(), "vllm:generation_tokens_total")
+                    for d in DS) - generated
+    assert 5 <= generated < 1000, generated
     assert all(s["kv_cache_usage"] == 0 for s in states.values())
 
 
