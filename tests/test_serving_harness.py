@@ -15,7 +15,7 @@ import pytest
 
 from torch_kvops.serving import prometheus
 from torch_kvops.serving.model import random_prompt, vocabulary, write_serving_model
-from torch_kvops.serving.servers import ServerSpec, merged
+from torch_kvops.serving.servers import REAPER, ServerSpec, merged
 from torch_kvops.serving.upstreams import Instance, Pool, parse_instances
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,19 +125,26 @@ TREE = ("import subprocess, sys, time; "
 def _start_tree(reaper: bool) -> tuple:
     """A harness process (SIGKILLed by the test) that starts TREE in a new session,
     through the reaper or directly; returns it and the pids of the tree."""
-    launcher = ["-m", "torch_kvops.serving.reaper", "--grace", "2", "--"] if reaper else []
+    launcher = [REAPER, "--grace", "2", "--", sys.executable] if reaper else []
     script = textwrap.dedent(f'''
         import json, subprocess, sys, time
         from torch_kvops.serving.reaper import descendants_and_group
-        proc = subprocess.Popen([sys.executable, *{launcher!r}, sys.executable, "-c", {TREE!r}],
+        proc = subprocess.Popen([sys.executable, *{launcher!r}, "-c", {TREE!r}],
                                 start_new_session=True)
+        deadline = time.monotonic() + 30
         while len(descendants_and_group(proc.pid, proc.pid)) < (2 if {reaper!r} else 1):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit("the process tree did not start")
             time.sleep(0.05)
         print(json.dumps(sorted(descendants_and_group(proc.pid, proc.pid) | {{proc.pid}})), flush=True)
         time.sleep(300)
         ''')
     harness = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=ENV)
-    return harness, json.loads(harness.stdout.readline())
+    line = harness.stdout.readline()
+    if not line:
+        harness.wait(10)
+        raise AssertionError(f"the harness ended ({harness.returncode}) before starting the tree")
+    return harness, json.loads(line)
 
 
 def test_reaper_ends_the_tree_when_the_harness_is_sigkilled_and_without_it_the_tree_survives():
@@ -192,7 +199,7 @@ def test_sigkilled_harness_leaves_no_vllm_process(small_model, tmp_path):
         names = [open(f"/proc/{pid}/cmdline").read().replace("\0", " ") for pid in alive(pids)]
         assert any("EngineCore" in n for n in names), names
         assert any("vllm.entrypoints.openai.api_server" in n for n in names), names
-        assert any("torch_kvops.serving.reaper" in n for n in names), names
+        assert any("torch_kvops/serving/reaper.py" in n for n in names), names
     finally:
         harness.kill()
         harness.wait(10)

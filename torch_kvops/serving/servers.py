@@ -40,6 +40,7 @@ from . import prometheus
 from .reaper import descendants_and_group
 
 ROLES = ("prefill", "decode", "monolithic")
+REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
 CONNECTOR = {"kv_connector": "KvopsLayerwiseConnector",
              "kv_connector_module_path": "torch_kvops.integrations.vllm"}
 BASE_ENV = {
@@ -232,8 +233,10 @@ class Server:
                 self.spec.port = free_port(self.spec.host)
             if self.spec.role == "prefill" and not self.spec.side_channel_port:
                 self.spec.side_channel_port = free_port(self.spec.host)
-            cmd = [sys.executable, "-m", "torch_kvops.serving.reaper", "--grace",
-                   str(self.spec.grace_s), "--", *self.spec.command()]
+            # the reaper by its path: as a module it would import torch_kvops (and torch),
+            # ~150 MB per server for a loop over /proc
+            cmd = [sys.executable, REAPER, "--grace", str(self.spec.grace_s), "--",
+                   *self.spec.command()]
             self.starts += 1
             with open(self.log_path, "a") as log:  # restarts append to the same log
                 log.write(f"\n===== start {self.starts} of {self.name} at {time.strftime('%H:%M:%S')}: "
