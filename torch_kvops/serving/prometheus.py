@@ -30,8 +30,11 @@ def parse(text: str) -> Samples:
         if m is None:
             raise ValueError(f"not a Prometheus sample line: {line!r}")
         name, labels, value = m.groups()
-        pairs = tuple(sorted(_LABEL.findall(labels or "")))
-        out[(name, pairs)] = float(value)
+        try:
+            number = float(value)  # also NaN, +Inf, -Inf
+        except ValueError:
+            raise ValueError(f"not a Prometheus sample line (value {value!r}): {line!r}") from None
+        out[(name, tuple(sorted(_LABEL.findall(labels or ""))))] = number
     return out
 
 

@@ -1,6 +1,8 @@
 """Watchdog that runs one server and guarantees none of its processes outlives it.
 
-    python -m torch_kvops.serving.reaper --grace 10 -- python -m vllm.entrypoints... ARGS
+    python torch_kvops/serving/reaper.py --grace 10 -- python -m vllm.entrypoints... ARGS
+
+(stdlib only: the harness runs it by path, without importing torch_kvops and torch.)
 
 The harness starts the reaper in a new session (it leads its own process group) and the
 server inherits that group; vLLM's API server, engine-core process and workers all stay

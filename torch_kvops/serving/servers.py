@@ -40,10 +40,10 @@ from . import prometheus
 from .reaper import descendants_and_group
 
 ROLES = ("prefill", "decode", "monolithic")
+REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
 CONNECTOR = {"kv_connector": "KvopsLayerwiseConnector",
              "kv_connector_module_path": "torch_kvops.integrations.vllm"}
 BASE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB per server; the test model is tiny
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # several servers share the machine's cores
     "TOKENIZERS_PARALLELISM": "false",
 }
@@ -93,6 +93,10 @@ class ServerSpec:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 8
     dtype: str = "float32"
+    # the block pool's size (--kv-cache-memory-bytes); 256 MiB holds 64k tokens of the
+    # 4-layer test model. VLLM_CPU_KVCACHE_SPACE (whole GiB) would override it: it is
+    # removed from the server's environment unless ``env`` sets it.
+    kv_cache_bytes: int = 256 << 20
     seed: int = 0
     served_model_name: Optional[str] = None
     side_channel_port: int = 0
@@ -132,7 +136,8 @@ class ServerSpec:
                "--seed", str(self.seed), "--enforce-eager", "--block-size", str(self.block_size),
                "--max-model-len", str(self.max_model_len),
                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-               "--max-num-seqs", str(self.max_num_seqs), "--no-enable-prefix-caching"]
+               "--max-num-seqs", str(self.max_num_seqs), "--no-enable-prefix-caching",
+               "--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         if self.tensor_parallel_size > 1:
@@ -145,6 +150,7 @@ class ServerSpec:
 
     def environment(self) -> Dict[str, str]:
         env = dict(os.environ, **BASE_ENV)
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
         env.update(self.env)
@@ -268,8 +274,10 @@ class Server:
                 self.spec.side_channel_port = free_port(self.spec.host)
             if self.spec.role == "prefill" and not self.spec.bootstrap_port:
                 self.spec.bootstrap_port = free_port(self.spec.host)
-            cmd = [sys.executable, "-m", "torch_kvops.serving.reaper", "--grace",
-                   str(self.spec.grace_s), "--", *self.spec.command()]
+            # the reaper by its path: as a module it would import torch_kvops (and torch),
+            # ~150 MB per server for a loop over /proc
+            cmd = [sys.executable, REAPER, "--grace", str(self.spec.grace_s), "--",
+                   *self.spec.command()]
             self.starts += 1
             with open(self.log_path, "a") as log:  # restarts append to the same log
                 log.write(f"\n===== start {self.starts} of {self.name} at {time.strftime('%H:%M:%S')}: "

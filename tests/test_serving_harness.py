@@ -1,0 +1,208 @@
+"""The serving harness (torch_kvops/serving): test model and tokenizer, Prometheus
+parsing, the proxy's instance choice, and the reaper: no process of a server outlives
+the harness, even when the harness is SIGKILLed (a real `vllm serve` API server with
+its engine-core process, and a plain process tree without the reaper as the control)."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from torch_kvops.serving import prometheus
+from torch_kvops.serving.model import random_prompt, vocabulary, write_serving_model
+from torch_kvops.serving.servers import REAPER, ServerSpec, merged
+from torch_kvops.serving.upstreams import Instance, Pool, parse_instances
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def alive(pids):
+    """The pids that still exist and are not zombies."""
+    left = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            continue
+        if state != "Z":
+            left.append(pid)
+    return left
+
+
+def wait_gone(pids, timeout):
+    deadline = time.monotonic() + timeout
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive(pids)
+
+
+def test_tokenizer_maps_words_to_ids_and_chat_works(tmp_path):
+    from transformers import AutoTokenizer
+
+    config = write_serving_model(str(tmp_path), layers=1, hidden=64, heads=2, kv_heads=1, vocab=128)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert len(tok) == config["vocab_size"] == len(vocabulary(128))
+    prompt = random_prompt(50, 128, random.Random(0))
+    ids = tok.encode(prompt)
+    assert len(ids) == 50 and all(i >= 7 for i in ids)  # one word, one ordinary token
+    assert tok.decode(ids) == prompt
+    assert tok.encode("w10 nonsense") == [10, 3]  # unknown words are <unk>
+    chat = tok.apply_chat_template([{"role": "user", "content": "w10 w11"}],
+                                   add_generation_prompt=True, tokenize=False)
+    assert tok.encode(chat) == [vocabulary(128).index("user"), 10, 11, vocabulary(128).index("assistant")]
+
+
+def test_prometheus_text_is_parsed_and_summed():
+    text = textwrap.dedent('''\
+        # HELP vllm:num_requests_running Number of requests.
+        # TYPE vllm:num_requests_running gauge
+        vllm:num_requests_running{engine="0",model_name="m"} 2.0
+        vllm:num_requests_running{engine="1",model_name="m"} 1.0
+        vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+        vllm:kvops_requests_failed_total{cause="lease",engine="0",model_name="m"} 3.0
+        vllm:kvops_requests_failed_total{cause="transport",engine="0",model_name="m"} 1.0
+        ''')
+    samples = prometheus.parse(text)
+    assert prometheus.total(samples, "vllm:num_requests_running") == 3.0
+    assert prometheus.total(samples, "vllm:num_requests_running", engine="1") == 1.0
+    assert prometheus.total(samples, "vllm:kvops_requests_failed_total", cause="lease") == 3.0
+    assert prometheus.find(samples, "vllm:kvops_") == {
+        "vllm:kvops_requests_failed_total{cause=lease}": 3.0,
+        "vllm:kvops_requests_failed_total{cause=transport}": 1.0}
+    assert prometheus.engine_state(samples) == {"running": 3.0, "waiting": 0.0, "kv_cache_usage": 0.25}
+    assert not prometheus.is_idle(samples)
+    with pytest.raises(ValueError, match="not a Prometheus sample"):
+        prometheus.parse("what is this")
+
+
+def test_pool_picks_the_least_loaded_and_avoids_failed_instances():
+    a, b = Instance("http://a"), Instance("http://b")
+    pool = Pool("decode", [a, b], down_s=60.0)
+    assert {pool.pick().url, pool.pick().url} == {"http://a", "http://b"}  # ties alternate
+    a.in_flight = 2
+    assert pool.pick() is b
+    pool.mark_down(b)
+    assert pool.pick() is a  # b is down, a is busy but up
+    assert pool.pick(exclude=[a]) is b  # the only one left, even down
+    assert pool.pick(exclude=[a, b]) is None
+    with pytest.raises(ValueError, match="side channels"):
+        parse_instances("http://p1,http://p2", "127.0.0.1:1")
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        parse_instances("http://p1", "nowhere")
+
+
+def test_server_specs_carry_the_connector_settings():
+    with pytest.raises(ValueError, match="role"):
+        ServerSpec("x", "/m", role="both")
+    p = ServerSpec("P", "/m", role="prefill", side_channel_port=7100,
+                   kv_connector_extra_config={"connector": {"max_retries": 3}})
+    config = p.kv_transfer_config()
+    assert config["kv_role"] == "kv_producer"
+    assert config["kv_connector_extra_config"]["side_channel_port"] == 7100
+    assert config["kv_connector_extra_config"]["connector"] == {"max_retries": 3}
+    d = ServerSpec("D", "/m", role="decode", lease_s=7.0,
+                   kv_connector_extra_config={"connector": {"integrity_check": True}})
+    extra = d.kv_transfer_config()["kv_connector_extra_config"]
+    assert extra["connector"] == {"lease_s": 7.0, "integrity_check": True}  # merged, not replaced
+    assert d.kv_transfer_config()["kv_load_failure_policy"] == "recompute"
+    assert ServerSpec("R", "/m").kv_transfer_config() is None
+    assert "--kv-transfer-config" not in ServerSpec("R", "/m").command()
+    assert merged({"a": {"b": 1}}, {"a": {"c": 2}}) == {"a": {"b": 1, "c": 2}}
+
+
+# A process tree like a server's: a parent and a grandchild that outlives it by default.
+TREE = ("import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); time.sleep(300)")
+
+
+def _start_tree(reaper: bool) -> tuple:
+    """A harness process (SIGKILLed by the test) that starts TREE in a new session,
+    through the reaper or directly; returns it and the pids of the tree."""
+    launcher = [REAPER, "--grace", "2", "--", sys.executable] if reaper else []
+    script = textwrap.dedent(f'''
+        import json, subprocess, sys, time
+        from torch_kvops.serving.reaper import descendants_and_group
+        proc = subprocess.Popen([sys.executable, *{launcher!r}, "-c", {TREE!r}],
+                                start_new_session=True)
+        deadline = time.monotonic() + 30
+        while len(descendants_and_group(proc.pid, proc.pid)) < (2 if {reaper!r} else 1):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit("the process tree did not start")
+            time.sleep(0.05)
+        print(json.dumps(sorted(descendants_and_group(proc.pid, proc.pid) | {{proc.pid}})), flush=True)
+        time.sleep(300)
+        ''')
+    harness = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=ENV)
+    line = harness.stdout.readline()
+    if not line:
+        harness.wait(10)
+        raise AssertionError(f"the harness ended ({harness.returncode}) before starting the tree")
+    return harness, json.loads(line)
+
+
+def test_reaper_ends_the_tree_when_the_harness_is_sigkilled_and_without_it_the_tree_survives():
+    harness, pids = _start_tree(reaper=True)
+    assert len(pids) >= 3, pids  # reaper, parent, grandchild
+    harness.kill()
+    harness.wait(10)
+    assert wait_gone(pids, 5.0) == [], "the reaper left processes behind"
+
+    # the control: the same tree without the reaper outlives its harness
+    harness, pids = _start_tree(reaper=False)
+    harness.kill()
+    harness.wait(10)
+    try:
+        time.sleep(1.0)
+        assert len(alive(pids)) == len(pids) >= 2, pids
+    finally:
+        for pid in alive(pids):
+            os.kill(pid, signal.SIGKILL)
+    assert wait_gone(pids, 5.0) == []
+
+
+HARNESS = textwrap.dedent('''
+    import json, sys, time
+    from torch_kvops.serving.servers import Servers, ServerSpec
+    with Servers(sys.argv[2]) as servers:
+        server = servers.add(ServerSpec("ref", sys.argv[1], max_model_len=1024, threads=1))
+        servers.start_all(600)
+        print(json.dumps({"pids": sorted(server.processes()), "url": server.url}), flush=True)
+        time.sleep(600)
+    ''')
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("model"))
+    write_serving_model(directory, max_len=1024)
+    return directory
+
+
+def test_sigkilled_harness_leaves_no_vllm_process(small_model, tmp_path):
+    """A real API server: its API process, engine core (and any worker) all go."""
+    started = time.monotonic()
+    harness = subprocess.Popen([sys.executable, "-c", HARNESS, small_model, str(tmp_path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        line = harness.stdout.readline()
+        info = json.loads(line) if line.startswith("{") else None
+        assert info is not None, line + harness.stdout.read()[-4000:] if harness.poll() is not None else line
+        pids = info["pids"]
+        # the reaper, the API server and its engine-core process
+        names = [open(f"/proc/{pid}/cmdline").read().replace("\0", " ") for pid in alive(pids)]
+        assert any("EngineCore" in n for n in names), names
+        assert any("vllm.entrypoints.openai.api_server" in n for n in names), names
+        assert any("torch_kvops/serving/reaper.py" in n for n in names), names
+    finally:
+        harness.kill()
+        harness.wait(10)
+    left = wait_gone(pids, 10.0)
+    assert left == [], f"left behind after the harness's SIGKILL: {left}"
+    print(f"vLLM server started and reaped in {time.monotonic() - started:.1f} s")
