@@ -67,14 +67,20 @@ def context_model_weights(config: dict, seed: int = 0) -> Dict[str, torch.Tensor
     return w
 
 
-def write_context_model(directory: str, *, seed: int = 0, **config_kwargs) -> dict:
-    """Write config.json and model.safetensors of the test Llama into ``directory``
-    (keyword arguments as :func:`context_model_config`); returns the config."""
+def write_checkpoint(directory: str, config: dict, weights: dict) -> dict:
+    """Write ``config`` as config.json and ``weights`` as model.safetensors into
+    ``directory`` (a Hugging Face model directory vLLM loads); returns the config."""
     from safetensors.torch import save_file  # installed with vLLM / transformers
 
-    config = context_model_config(**config_kwargs)
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
-    save_file(context_model_weights(config, seed), os.path.join(directory, "model.safetensors"))
+    save_file(weights, os.path.join(directory, "model.safetensors"))
     return config
+
+
+def write_context_model(directory: str, *, seed: int = 0, **config_kwargs) -> dict:
+    """Write config.json and model.safetensors of the test Llama into ``directory``
+    (keyword arguments as :func:`context_model_config`); returns the config."""
+    config = context_model_config(**config_kwargs)
+    return write_checkpoint(directory, config, context_model_weights(config, seed))

@@ -14,12 +14,12 @@ real engine.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 from typing import Dict
 
 import torch
+
+from .hf_model import write_checkpoint
 
 KV_LORA_RANK = 512  # the latent: what CPU_MLA caches (with the rope part) per token
 QK_ROPE_HEAD_DIM = 64
@@ -90,11 +90,5 @@ def mla_model_weights(config: dict, seed: int = 0) -> Dict[str, torch.Tensor]:
 def write_mla_model(directory: str, *, seed: int = 0, **config_kwargs) -> dict:
     """Write config.json and model.safetensors of the test MLA model into ``directory``
     (keyword arguments as :func:`mla_model_config`); returns the config."""
-    from safetensors.torch import save_file  # installed with vLLM / transformers
-
     config = mla_model_config(**config_kwargs)
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    save_file(mla_model_weights(config, seed), os.path.join(directory, "model.safetensors"))
-    return config
+    return write_checkpoint(directory, config, mla_model_weights(config, seed))
