@@ -214,6 +214,31 @@ class RouterSpec:
         return dict(os.environ, **self.env)
 
 
+@dataclass
+class ReplicaRouterSpec:
+    """vLLM's router (``vllm-router``) in its regular mode in front of started monolithic
+    servers: ``--worker-urls A B --policy round_robin`` spreads whole requests over the
+    replicas (the data-parallel baseline P/D is compared with)."""
+
+    name: str
+    workers: List["Server"]
+    policy: str = "round_robin"
+    port: int = 0
+    host: str = "127.0.0.1"
+    extra_args: List[str] = field(default_factory=list)
+    env: Dict[str, str] = field(default_factory=dict)
+    grace_s: float = 5.0
+    role: str = "proxy"  # started after the servers it fronts
+
+    def command(self) -> List[str]:
+        return [sys.executable, "-m", "vllm_router.launch_router", "--host", self.host,
+                "--port", str(self.port), "--policy", self.policy, "--request-timeout-secs", "600",
+                "--worker-urls", *(w.url for w in self.workers), *self.extra_args]
+
+    def environment(self) -> Dict[str, str]:
+        return dict(os.environ, **self.env)
+
+
 def _http_get(url: str, timeout: float) -> int:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         resp.read()
@@ -223,7 +248,7 @@ def _http_get(url: str, timeout: float) -> int:
 class Server:
     """One running (or stopped) API server; create it with :meth:`Servers.add`."""
 
-    def __init__(self, spec: "ServerSpec | ProxySpec | RouterSpec", log_dir: str) -> None:
+    def __init__(self, spec: "ServerSpec | ProxySpec | RouterSpec | ReplicaRouterSpec", log_dir: str) -> None:
         self.spec = spec
         self.name = spec.name
         self.log_path = os.path.join(log_dir, f"{spec.name}.log")
@@ -368,7 +393,7 @@ class Servers:
         self.servers: Dict[str, Server] = {}
         _install_exit_hooks()
 
-    def add(self, spec: "ServerSpec | ProxySpec | RouterSpec") -> Server:
+    def add(self, spec: "ServerSpec | ProxySpec | RouterSpec | ReplicaRouterSpec") -> Server:
         """A server (not started: :meth:`start_all` or ``Server.start``/``wait_ready``)."""
         if spec.name in self.servers:
             raise ValueError(f"a server called {spec.name!r} exists already")
