@@ -181,6 +181,12 @@ class ProxySpec:
         return dict(os.environ, **self.env)
 
 
+def _router_metrics_args(host: str) -> List[str]:
+    """vllm-router's Prometheus exporter on a free port: its default, 29000, is one per
+    host (network namespace), and a second router there panics at start-up."""
+    return ["--prometheus-host", host, "--prometheus-port", str(free_port(host))]
+
+
 @dataclass
 class RouterSpec:
     """vLLM's router (``vllm-router`` 0.1.17, PyPI ``vllm-router``) in P/D mode in front of
@@ -203,7 +209,8 @@ class RouterSpec:
     def command(self) -> List[str]:
         cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation",
                "--kv-connector", self.kv_connector, "--host", self.host, "--port", str(self.port),
-               "--policy", self.policy, "--request-timeout-secs", "600"]
+               "--policy", self.policy, "--request-timeout-secs", "600",
+               *_router_metrics_args(self.host)]
         for p in self.prefill:
             cmd += ["--prefill", p.url, str(p.spec.bootstrap_port)]
         for d in self.decode:
@@ -233,7 +240,7 @@ class ReplicaRouterSpec:
     def command(self) -> List[str]:
         return [sys.executable, "-m", "vllm_router.launch_router", "--host", self.host,
                 "--port", str(self.port), "--policy", self.policy, "--request-timeout-secs", "600",
-                "--worker-urls", *(w.url for w in self.workers), *self.extra_args]
+                *_router_metrics_args(self.host), "--worker-urls", *(w.url for w in self.workers), *self.extra_args]
 
     def environment(self) -> Dict[str, str]:
         return dict(os.environ, **self.env)
