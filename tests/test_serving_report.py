@@ -56,4 +56,4 @@ def test_prompts_per_point_and_quick_mode():
     args = parse_args([])
     assert [prompts_for(r, args) for r in (0.5, 1, 2, 4, float("inf"))] == [8, 12, 24, 24, 24]
     quick = parse_args(["--quick"])
-    assert quick.rates == "2" and prompts_for(2.0, quick) == 6
+    assert quick.rates == "2" and prompts_for(2.0, quick) == 4

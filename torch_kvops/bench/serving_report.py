@@ -134,7 +134,7 @@ def plot(saved: dict, path: str) -> str:
     import matplotlib.pyplot as plt
 
     pts, rates = _points(saved), _rates(saved)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
     for i, key in enumerate(ORDER):
         rs = [r for r in rates if (key, r) in pts]
         if not rs:
@@ -150,10 +150,11 @@ def plot(saved: dict, path: str) -> str:
         ax.set_ylabel(name)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, ncol=2)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=7, frameon=False)
     fig.suptitle(f"vllm serve fleets under vllm bench serve, link {saved['link']}; 2-core CPU",
                  fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.12, 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

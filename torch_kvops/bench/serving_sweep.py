@@ -71,17 +71,19 @@ def start_fleet(servers: Servers, model: str, args) -> List[Config]:
     p_af = servers.add(ServerSpec("P-after-forward", model, role="prefill",
                                   kv_connector_extra_config={"push_mode": "after_forward"}, **common))
     d = servers.add(ServerSpec("D", model, role="decode", **common))
+    # negative control of the KV check: D gets no transfer parameters and prefills itself
+    proxy_args = ["--no-decode-params"] if args.control_no_kv else []
     configs = [
         Config("mono-rr", "2x monolithic, round robin (vllm-router)",
                servers.add(ReplicaRouterSpec("rr", monos))),
         Config("pd-concurrent", "1P1D layer-wise, concurrent (our proxy)",
-               servers.add(ProxySpec("proxy-concurrent", [p], [d], order="concurrent")), d),
+               servers.add(ProxySpec("proxy-concurrent", [p], [d], order="concurrent", extra_args=proxy_args)), d),
         Config("pd-dfirst", "1P1D layer-wise, D first (our proxy)",
-               servers.add(ProxySpec("proxy-dfirst", [p], [d], order="d-first")), d),
+               servers.add(ProxySpec("proxy-dfirst", [p], [d], order="d-first", extra_args=proxy_args)), d),
         Config("pd-router", "1P1D P first (vllm-router, mooncake)",
                servers.add(RouterSpec("router-pd", [p], [d])), d),
         Config("pd-after-forward", "1P1D push after forward, concurrent (our proxy)",
-               servers.add(ProxySpec("proxy-after-forward", [p_af], [d], order="concurrent")), d),
+               servers.add(ProxySpec("proxy-after-forward", [p_af], [d], order="concurrent", extra_args=proxy_args)), d),
     ]
     servers.start_all(args.start_timeout)
     return configs
@@ -135,10 +137,13 @@ def measure(cfg: Config, rate: float, num_prompts: int, model: str, args, log_pa
         local = after["local_compute"] - before["local_compute"]
         rec["decode_local_prompt_tokens"] = local
         rec["decode_external_prompt_tokens"] = after["external_kv_transfer"] - before["external_kv_transfer"]
-        rec["kv_from_prefill"] = local <= num_prompts
+        # D recomputes at most the last prompt token of a request whose KV came from P
+        rec["kv_from_prefill"] = local <= num_prompts and (
+            rec["decode_external_prompt_tokens"] + local >= sum(rec["input_lens"] or [0]) - num_prompts)
         if not rec["kv_from_prefill"]:
             print(f"[sweep] WARNING {cfg.key} at {rate:g} req/s: D computed {local:.0f} prompt "
-                  f"tokens for {num_prompts} requests: KV did not all come from P",
+                  f"tokens for {num_prompts} requests ({rec['decode_external_prompt_tokens']:.0f} "
+                  f"came from P): the KV did not all come from P",
                   file=sys.stderr, flush=True)
     print(f"[sweep] {cfg.key:17s} {rate:5g} req/s: {rec['completed']}/{num_prompts} done, "
           f"TTFT p50 {rec['median_ttft_ms']:.0f} ms, TPOT p50 {rec['median_tpot_ms']:.1f} ms, "
@@ -156,7 +161,7 @@ def prompts_for(rate: float, args) -> int:
 def parse_args(argv: Optional[List[str]]):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: one rate, few requests (< 3 minutes on 2 cores)")
+                    help="smoke run: one rate, 4 requests of ~512 tokens per configuration")
     ap.add_argument("--link", default="1gbit",
                     help="emulated link RATE[,DELAY] (needs root); 'none': plain loopback")
     ap.add_argument("--out", default="serving-sweep", help="directory for the JSON, table and plot")
@@ -180,12 +185,16 @@ def parse_args(argv: Optional[List[str]]):
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--lease-s", type=float, default=60.0, help="D's lease on a transfer")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--control-no-kv", action="store_true",
+                    help="negative control: our proxies send D no transfer parameters, so D "
+                         "computes the prompts and the KV check must warn (the run exits 1)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--point-timeout", type=float, default=300.0)
     ap.add_argument("--link-timeout", type=float, default=3600.0, help="bound of the whole run, s")
     args = ap.parse_args(argv)
     if args.quick:
-        args.rates, args.min_prompts, args.max_prompts, args.warmup = "2", 6, 6, 1
+        args.rates, args.min_prompts, args.max_prompts, args.warmup = "2", 4, 4, 1
+        args.input_len = 512
     return args
 
 
@@ -239,7 +248,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(report)
     print(f"plot: {serving_report.plot(saved, os.path.join(args.out, 'serving_sweep.png'))}")
     print(f"total time: {saved['total_s']:.0f} s (fleet ready after {saved['fleet_ready_s']:.0f} s)")
-    failed = [r for r in saved["records"] if r.get("error") or r.get("failed")]
+    failed = [r for r in saved["records"] if r.get("error") or r.get("failed")
+              or r.get("kv_from_prefill") is False]
     return 1 if failed else 0
 
 
