@@ -77,13 +77,16 @@ def start_fleet(servers: Servers, model: str, args) -> List[Config]:
         Config("mono-rr", "2x monolithic, round robin (vllm-router)",
                servers.add(ReplicaRouterSpec("rr", monos))),
         Config("pd-concurrent", "1P1D layer-wise, concurrent (our proxy)",
-               servers.add(ProxySpec("proxy-concurrent", [p], [d], order="concurrent", extra_args=proxy_args)), d),
+               servers.add(ProxySpec("proxy-concurrent", [p], [d], order="concurrent",
+                                 extra_args=proxy_args)), d),
         Config("pd-dfirst", "1P1D layer-wise, D first (our proxy)",
-               servers.add(ProxySpec("proxy-dfirst", [p], [d], order="d-first", extra_args=proxy_args)), d),
+               servers.add(ProxySpec("proxy-dfirst", [p], [d], order="d-first",
+                                 extra_args=proxy_args)), d),
         Config("pd-router", "1P1D P first (vllm-router, mooncake)",
                servers.add(RouterSpec("router-pd", [p], [d])), d),
         Config("pd-after-forward", "1P1D push after forward, concurrent (our proxy)",
-               servers.add(ProxySpec("proxy-after-forward", [p_af], [d], order="concurrent", extra_args=proxy_args)), d),
+               servers.add(ProxySpec("proxy-after-forward", [p_af], [d], order="concurrent",
+                                 extra_args=proxy_args)), d),
     ]
     servers.start_all(args.start_timeout)
     return configs

@@ -16,6 +16,10 @@ wheel the ``vllm`` command fails on the distribution's name) started through
 and its workers share the reaper's process group, and the reaper ends them all when
 the harness stops it or when the harness's process dies, even by SIGKILL. The harness
 stops its servers on every exit path: ``with``, :func:`atexit`, SIGTERM and SIGHUP.
+
+Front ends, started after the servers they front: :class:`ProxySpec` (our P/D proxy),
+:class:`RouterSpec` (vllm-router in P/D mode), :class:`ReplicaRouterSpec` (vllm-router
+spreading whole requests over monolithic replicas).
 """
 from __future__ import annotations
 
@@ -240,7 +244,8 @@ class ReplicaRouterSpec:
     def command(self) -> List[str]:
         return [sys.executable, "-m", "vllm_router.launch_router", "--host", self.host,
                 "--port", str(self.port), "--policy", self.policy, "--request-timeout-secs", "600",
-                *_router_metrics_args(self.host), "--worker-urls", *(w.url for w in self.workers), *self.extra_args]
+                *_router_metrics_args(self.host), "--worker-urls", *(w.url for w in self.workers),
+                *self.extra_args]
 
     def environment(self) -> Dict[str, str]:
         return dict(os.environ, **self.env)
@@ -255,7 +260,8 @@ def _http_get(url: str, timeout: float) -> int:
 class Server:
     """One running (or stopped) API server; create it with :meth:`Servers.add`."""
 
-    def __init__(self, spec: "ServerSpec | ProxySpec | RouterSpec | ReplicaRouterSpec", log_dir: str) -> None:
+    def __init__(self, spec: "ServerSpec | ProxySpec | RouterSpec | ReplicaRouterSpec",
+                 log_dir: str) -> None:
         self.spec = spec
         self.name = spec.name
         self.log_path = os.path.join(log_dir, f"{spec.name}.log")
