@@ -16,6 +16,10 @@ wheel the ``vllm`` command fails on the distribution's name) started through
 and its workers share the reaper's process group, and the reaper ends them all when
 the harness stops it or when the harness's process dies, even by SIGKILL. The harness
 stops its servers on every exit path: ``with``, :func:`atexit`, SIGTERM and SIGHUP.
+
+Front ends, started after the servers they front: :class:`ProxySpec` (our P/D proxy),
+:class:`RouterSpec` (vllm-router in P/D mode), :class:`ReplicaRouterSpec` (vllm-router
+spreading whole requests over monolithic replicas).
 """
 from __future__ import annotations
 
@@ -187,6 +191,12 @@ class ProxySpec:
         return dict(os.environ, **self.env)
 
 
+def _router_metrics_args(host: str) -> List[str]:
+    """vllm-router's Prometheus exporter on a free port: its default, 29000, is one per
+    host (network namespace), and a second router there panics at start-up."""
+    return ["--prometheus-host", host, "--prometheus-port", str(free_port(host))]
+
+
 @dataclass
 class RouterSpec:
     """vLLM's router (``vllm-router`` 0.1.17, PyPI ``vllm-router``) in P/D mode in front of
@@ -200,7 +210,6 @@ class RouterSpec:
     kv_connector: str = "mooncake"
     policy: str = "round_robin"
     port: int = 0
-    prometheus_port: int = 0  # the router's own exporter (its default, 29000, is shared)
     host: str = "127.0.0.1"
     extra_args: List[str] = field(default_factory=list)
     env: Dict[str, str] = field(default_factory=dict)
@@ -208,17 +217,41 @@ class RouterSpec:
     role: str = "proxy"  # started after the servers it fronts
 
     def command(self) -> List[str]:
-        if not self.prometheus_port:
-            self.prometheus_port = free_port(self.host)
         cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation",
                "--kv-connector", self.kv_connector, "--host", self.host, "--port", str(self.port),
-               "--prometheus-host", self.host, "--prometheus-port", str(self.prometheus_port),
-               "--policy", self.policy, "--request-timeout-secs", "600"]
+               "--policy", self.policy, "--request-timeout-secs", "600",
+               *_router_metrics_args(self.host)]
         for p in self.prefill:
             cmd += ["--prefill", p.url, str(p.spec.bootstrap_port)]
         for d in self.decode:
             cmd += ["--decode", d.url]
         return cmd + list(self.extra_args)
+
+    def environment(self) -> Dict[str, str]:
+        return dict(os.environ, **self.env)
+
+
+@dataclass
+class ReplicaRouterSpec:
+    """vLLM's router (``vllm-router``) in its regular mode in front of started monolithic
+    servers: ``--worker-urls A B --policy round_robin`` spreads whole requests over the
+    replicas (the data-parallel baseline P/D is compared with)."""
+
+    name: str
+    workers: List["Server"]
+    policy: str = "round_robin"
+    port: int = 0
+    host: str = "127.0.0.1"
+    extra_args: List[str] = field(default_factory=list)
+    env: Dict[str, str] = field(default_factory=dict)
+    grace_s: float = 5.0
+    role: str = "proxy"  # started after the servers it fronts
+
+    def command(self) -> List[str]:
+        return [sys.executable, "-m", "vllm_router.launch_router", "--host", self.host,
+                "--port", str(self.port), "--policy", self.policy, "--request-timeout-secs", "600",
+                *_router_metrics_args(self.host), "--worker-urls", *(w.url for w in self.workers),
+                *self.extra_args]
 
     def environment(self) -> Dict[str, str]:
         return dict(os.environ, **self.env)
@@ -233,7 +266,8 @@ def _http_get(url: str, timeout: float) -> int:
 class Server:
     """One running (or stopped) API server; create it with :meth:`Servers.add`."""
 
-    def __init__(self, spec: "ServerSpec | ProxySpec | RouterSpec", log_dir: str) -> None:
+    def __init__(self, spec: "ServerSpec | ProxySpec | RouterSpec | ReplicaRouterSpec",
+                 log_dir: str) -> None:
         self.spec = spec
         self.name = spec.name
         self.log_path = os.path.join(log_dir, f"{spec.name}.log")
@@ -380,7 +414,7 @@ class Servers:
         self.servers: Dict[str, Server] = {}
         _install_exit_hooks()
 
-    def add(self, spec: "ServerSpec | ProxySpec | RouterSpec") -> Server:
+    def add(self, spec: "ServerSpec | ProxySpec | RouterSpec | ReplicaRouterSpec") -> Server:
         """A server (not started: :meth:`start_all` or ``Server.start``/``wait_ready``)."""
         if spec.name in self.servers:
             raise ValueError(f"a server called {spec.name!r} exists already")
