@@ -19,7 +19,7 @@ import traceback
 from collections import OrderedDict
 from typing import Dict, List, Optional
 
-from .servers import free_port  # noqa: F401  (re-exported: tests and runs pick ports with it)
+from .ports import free_port  # noqa: F401  (re-exported: tests and runs pick ports with it)
 
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core runs in our driver process

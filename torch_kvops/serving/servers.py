@@ -28,7 +28,6 @@ import copy
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,7 +40,12 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set
 
 from . import prometheus
+from .fronts import ProxySpec, ReplicaRouterSpec, RouterSpec
+from .ports import free_port
 from .reaper import descendants_and_group
+
+__all__ = ["CONNECTOR", "REAPER", "ROLES", "ProxySpec", "ReplicaRouterSpec", "RouterSpec", "Server",
+           "ServerError", "ServerSpec", "Servers", "free_port", "merged", "stop_every_server"]
 
 ROLES = ("prefill", "decode", "monolithic")
 REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
@@ -55,13 +59,6 @@ BASE_ENV = {
 
 class ServerError(RuntimeError):
     """A server did not start, or did not stop."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now (another process may take it before it is bound)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def merged(base: dict, over: dict) -> dict:
@@ -159,102 +156,6 @@ class ServerSpec:
             env["OMP_NUM_THREADS"] = str(self.threads)
         env.update(self.env)
         return env
-
-
-@dataclass
-class ProxySpec:
-    """Our P/D proxy (:mod:`torch_kvops.serving.proxy`) in front of started servers;
-    started and stopped like them (``Servers.add``). The servers' URLs and side channels
-    are read when the proxy starts. ``extra_args``: more proxy options (``--retries``,
-    ``--no-decode-params``, ...)."""
-
-    name: str
-    prefill: List["Server"]
-    decode: List["Server"]
-    order: str = "d-first"
-    port: int = 0
-    host: str = "127.0.0.1"
-    timeout_s: float = 600.0
-    extra_args: List[str] = field(default_factory=list)
-    env: Dict[str, str] = field(default_factory=dict)
-    grace_s: float = 5.0
-    role: str = "proxy"
-
-    def command(self) -> List[str]:
-        return [sys.executable, "-m", "torch_kvops.serving.proxy", "--host", self.host,
-                "--port", str(self.port), "--order", self.order, "--timeout", str(self.timeout_s),
-                "--prefill", ",".join(p.url for p in self.prefill),
-                "--prefill-side-channel", ",".join(p.side_channel for p in self.prefill),
-                "--decode", ",".join(d.url for d in self.decode), *self.extra_args]
-
-    def environment(self) -> Dict[str, str]:
-        return dict(os.environ, **self.env)
-
-
-def _router_metrics_args(host: str) -> List[str]:
-    """vllm-router's Prometheus exporter on a free port: its default, 29000, is one per
-    host (network namespace), and a second router there panics at start-up."""
-    return ["--prometheus-host", host, "--prometheus-port", str(free_port(host))]
-
-
-@dataclass
-class RouterSpec:
-    """vLLM's router (``vllm-router`` 0.1.17, PyPI ``vllm-router``) in P/D mode in front of
-    started servers, as users deploy it: ``--vllm-pd-disaggregation --kv-connector
-    mooncake`` sends each request to P first (``max_tokens=1``), then to D with
-    ``remote_bootstrap_addr`` pointing at P's bootstrap endpoint, which it polls at start."""
-
-    name: str
-    prefill: List["Server"]
-    decode: List["Server"]
-    kv_connector: str = "mooncake"
-    policy: str = "round_robin"
-    port: int = 0
-    host: str = "127.0.0.1"
-    extra_args: List[str] = field(default_factory=list)
-    env: Dict[str, str] = field(default_factory=dict)
-    grace_s: float = 5.0
-    role: str = "proxy"  # started after the servers it fronts
-
-    def command(self) -> List[str]:
-        cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation",
-               "--kv-connector", self.kv_connector, "--host", self.host, "--port", str(self.port),
-               "--policy", self.policy, "--request-timeout-secs", "600",
-               *_router_metrics_args(self.host)]
-        for p in self.prefill:
-            cmd += ["--prefill", p.url, str(p.spec.bootstrap_port)]
-        for d in self.decode:
-            cmd += ["--decode", d.url]
-        return cmd + list(self.extra_args)
-
-    def environment(self) -> Dict[str, str]:
-        return dict(os.environ, **self.env)
-
-
-@dataclass
-class ReplicaRouterSpec:
-    """vLLM's router (``vllm-router``) in its regular mode in front of started monolithic
-    servers: ``--worker-urls A B --policy round_robin`` spreads whole requests over the
-    replicas (the data-parallel baseline P/D is compared with)."""
-
-    name: str
-    workers: List["Server"]
-    policy: str = "round_robin"
-    port: int = 0
-    host: str = "127.0.0.1"
-    extra_args: List[str] = field(default_factory=list)
-    env: Dict[str, str] = field(default_factory=dict)
-    grace_s: float = 5.0
-    role: str = "proxy"  # started after the servers it fronts
-
-    def command(self) -> List[str]:
-        return [sys.executable, "-m", "vllm_router.launch_router", "--host", self.host,
-                "--port", str(self.port), "--policy", self.policy, "--request-timeout-secs", "600",
-                *_router_metrics_args(self.host), "--worker-urls", *(w.url for w in self.workers),
-                *self.extra_args]
-
-    def environment(self) -> Dict[str, str]:
-        return dict(os.environ, **self.env)
 
 
 def _http_get(url: str, timeout: float) -> int:

@@ -1,0 +1,111 @@
+"""Front ends started in front of running servers (:mod:`torch_kvops.serving.servers`):
+our P/D proxy, vLLM's router in P/D mode, and vLLM's router over monolithic replicas.
+Each is launched, waited for and stopped like a server (``Servers.add``); its command
+line reads the servers' ports when it starts."""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, List
+
+from .ports import free_port
+
+if TYPE_CHECKING:
+    from .servers import Server
+
+
+@dataclass
+class ProxySpec:
+    """Our P/D proxy (:mod:`torch_kvops.serving.proxy`) in front of started servers;
+    started and stopped like them (``Servers.add``). The servers' URLs and side channels
+    are read when the proxy starts. ``extra_args``: more proxy options (``--retries``,
+    ``--no-decode-params``, ...)."""
+
+    name: str
+    prefill: List["Server"]
+    decode: List["Server"]
+    order: str = "d-first"
+    port: int = 0
+    host: str = "127.0.0.1"
+    timeout_s: float = 600.0
+    extra_args: List[str] = field(default_factory=list)
+    env: Dict[str, str] = field(default_factory=dict)
+    grace_s: float = 5.0
+    role: str = "proxy"
+
+    def command(self) -> List[str]:
+        return [sys.executable, "-m", "torch_kvops.serving.proxy", "--host", self.host,
+                "--port", str(self.port), "--order", self.order, "--timeout", str(self.timeout_s),
+                "--prefill", ",".join(p.url for p in self.prefill),
+                "--prefill-side-channel", ",".join(p.side_channel for p in self.prefill),
+                "--decode", ",".join(d.url for d in self.decode), *self.extra_args]
+
+    def environment(self) -> Dict[str, str]:
+        return dict(os.environ, **self.env)
+
+
+def _router_metrics_args(host: str) -> List[str]:
+    """vllm-router's Prometheus exporter on a free port: its default, 29000, is one per
+    host (network namespace), and a second router there panics at start-up."""
+    return ["--prometheus-host", host, "--prometheus-port", str(free_port(host))]
+
+
+@dataclass
+class RouterSpec:
+    """vLLM's router (``vllm-router`` 0.1.17, PyPI ``vllm-router``) in P/D mode in front of
+    started servers, as users deploy it: ``--vllm-pd-disaggregation --kv-connector
+    mooncake`` sends each request to P first (``max_tokens=1``), then to D with
+    ``remote_bootstrap_addr`` pointing at P's bootstrap endpoint, which it polls at start."""
+
+    name: str
+    prefill: List["Server"]
+    decode: List["Server"]
+    kv_connector: str = "mooncake"
+    policy: str = "round_robin"
+    port: int = 0
+    host: str = "127.0.0.1"
+    extra_args: List[str] = field(default_factory=list)
+    env: Dict[str, str] = field(default_factory=dict)
+    grace_s: float = 5.0
+    role: str = "proxy"  # started after the servers it fronts
+
+    def command(self) -> List[str]:
+        cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation",
+               "--kv-connector", self.kv_connector, "--host", self.host, "--port", str(self.port),
+               "--policy", self.policy, "--request-timeout-secs", "600",
+               *_router_metrics_args(self.host)]
+        for p in self.prefill:
+            cmd += ["--prefill", p.url, str(p.spec.bootstrap_port)]
+        for d in self.decode:
+            cmd += ["--decode", d.url]
+        return cmd + list(self.extra_args)
+
+    def environment(self) -> Dict[str, str]:
+        return dict(os.environ, **self.env)
+
+
+@dataclass
+class ReplicaRouterSpec:
+    """vLLM's router (``vllm-router``) in its regular mode in front of started monolithic
+    servers: ``--worker-urls A B --policy round_robin`` spreads whole requests over the
+    replicas (the data-parallel baseline P/D is compared with)."""
+
+    name: str
+    workers: List["Server"]
+    policy: str = "round_robin"
+    port: int = 0
+    host: str = "127.0.0.1"
+    extra_args: List[str] = field(default_factory=list)
+    env: Dict[str, str] = field(default_factory=dict)
+    grace_s: float = 5.0
+    role: str = "proxy"  # started after the servers it fronts
+
+    def command(self) -> List[str]:
+        return [sys.executable, "-m", "vllm_router.launch_router", "--host", self.host,
+                "--port", str(self.port), "--policy", self.policy, "--request-timeout-secs", "600",
+                *_router_metrics_args(self.host), "--worker-urls", *(w.url for w in self.workers),
+                *self.extra_args]
+
+    def environment(self) -> Dict[str, str]:
+        return dict(os.environ, **self.env)
