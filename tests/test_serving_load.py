@@ -204,41 +204,39 @@ def test_negative_control_without_transfer_decode_computes_the_prompts(fleet):
     fleet.wait_all_idle(HOLD_S + 30)  # P held the blocks of 8 destinations that never came
 
 
-def _load_in_background(fleet: Fleet, **phase):
+def _load_and_kill(fleet: Fleet, victim: str, **phase) -> dict:
+    """Run ``phase`` through the proxy, SIGKILL ``victim`` once it finished 3 requests,
+    and return the load's result after checking what every fault test requires:
+    answers that came back equal the reference, and at most the in-flight requests
+    failed."""
     import concurrent.futures
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    return pool, pool.submit(fleet.load, "proxy", **phase)
 
-
-def _wait_counter_growth(fleet: Fleet, name: str, base: float, min_growth: float, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while fleet.counter(name, "vllm:request_success_total") - base < min_growth:
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"{name} finished fewer than {min_growth} requests in {timeout} s; proxy: "
-                f"{prometheus.find(fleet.servers['proxy'].metrics(), 'kvops_proxy')}; "
-                f"{name}: {prometheus.find(fleet.servers[name].metrics(), 'vllm:request_success')}")
-        time.sleep(0.2)
-
-
-def test_sigkill_prefill_under_load(fleet):
-    ref = fleet.reference(**FAULT_LOAD)
-    p2_before = fleet.counter("P2", "vllm:request_success_total")
-    p1_before = fleet.counter("P1", "vllm:request_success_total")
-    pool, future = _load_in_background(fleet, **FAULT_LOAD)
-    try:
-        _wait_counter_growth(fleet, "P1", p1_before, 3, 120)
-        fleet.servers.kill("P1")
+    ref = fleet.reference(**phase)
+    base = fleet.counter(victim, "vllm:request_success_total")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(fleet.load, "proxy", **phase)
+        deadline = time.monotonic() + 120
+        while fleet.counter(victim, "vllm:request_success_total") - base < 3:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{victim} finished fewer than 3 requests in 120 s; proxy: "
+                    f"{prometheus.find(fleet.servers['proxy'].metrics(), 'kvops_proxy')}")
+            time.sleep(0.2)
+        fleet.servers.kill(victim)
         got = future.result(timeout=600)
-    finally:
-        pool.shutdown(wait=True)
     wrong = [i for i in _same_answers(got, ref) if not got["errors"][i]]
     assert not wrong, f"answers differ from the reference: {wrong}"
     failed = [i for i, e in enumerate(got["errors"]) if e]
     # an in-flight request is answered (retried, or recomputed by D when its lease ends)
-    # or fails, and none waits much beyond its lease
+    # or fails
     assert len(failed) <= CONCURRENCY, f"{len(failed)} requests failed: {got['errors']}"
-    assert max(got["latencies"]) < LEASE_S + 30, max(got["latencies"])
+    return got
+
+
+def test_sigkill_prefill_under_load(fleet):
+    p2_before = fleet.counter("P2", "vllm:request_success_total")
+    got = _load_and_kill(fleet, "P1", **FAULT_LOAD)
+    assert max(got["latencies"]) < LEASE_S + 30, max(got["latencies"])  # none hangs
     assert fleet.counter("P2", "vllm:request_success_total") - p2_before > FAULT_LOAD["num_prompts"] / 2
     # the killed P restarts and takes traffic again
     fleet.servers.restart("P1")
@@ -251,19 +249,8 @@ def test_sigkill_prefill_under_load(fleet):
 
 
 def test_sigkill_decode_under_load_frees_prefill_blocks(fleet):
-    ref = fleet.reference(**FAULT_LOAD)
-    d1_before = fleet.counter("D1", "vllm:request_success_total")
-    pool, future = _load_in_background(fleet, **FAULT_LOAD)
-    try:
-        _wait_counter_growth(fleet, "D1", d1_before, 3, 120)
-        fleet.servers.kill("D1")
-        got = future.result(timeout=600)
-    finally:
-        pool.shutdown(wait=True)
-    wrong = [i for i in _same_answers(got, ref) if not got["errors"][i]]
-    assert not wrong, f"answers differ from the reference: {wrong}"
-    failed = [i for i, e in enumerate(got["errors"]) if e]
-    assert len(failed) <= CONCURRENCY, f"{len(failed)} requests failed: {got['errors']}"
+    got = _load_and_kill(fleet, "D1", **FAULT_LOAD)
+    assert max(got["latencies"]) < LEASE_S + 30, max(got["latencies"])
     # P releases every block it held or pushed for D1's requests (push failures and
     # holds end within their bounds)
     fleet.servers.restart("D1")
