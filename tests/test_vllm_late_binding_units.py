@@ -397,3 +397,40 @@ def test_an_unusable_destination_fails_its_request_alone(workers):
     p.begin_step(good)
     p.wait_for_save()
     assert _until(lambda: p.get_finished(set())[0]) == {"r"}
+
+
+def test_a_refused_step_fails_its_parts_instead_of_the_engine():
+    """The connector refuses a step's plan (e.g. two requests naming one destination
+    block after D reused it): P's worker fails those parts and keeps running."""
+    from torch_kvops.integrations.vllm.worker_producer import ProducerWorker
+    from torch_kvops.plan import TransferRequest
+
+    class _Conn:
+        def __init__(self):
+            self.aborted = []
+
+        def start_step(self, requests):
+            raise ValueError("destination block 8 is named twice")
+
+        def abort(self, tid, reason):
+            self.aborted.append(tid)
+            return tid == "a|p0d0"  # in flight: its failure comes back through get_finished
+
+    class _Metrics:
+        def __init__(self):
+            self.counts = {}
+
+        def count(self, key, n=1):
+            self.counts[key] = self.counts.get(key, 0) + n
+
+    worker = ProducerWorker.__new__(ProducerWorker)
+    worker.conn, worker.metrics = _Conn(), _Metrics()
+    worker._tid_to_req = {"a|p0d0": "a", "b|p0d0": "b"}
+    worker._parts = {"a": {"a|p0d0"}, "b": {"b|p0d0"}}
+    worker._outcome = set()
+    parts = [TransferRequest("a|p0d0", "peer", [1], [8]), TransferRequest("b|p0d0", "peer", [2], [8])]
+    worker._refuse_step(parts, ValueError("destination block 8 is named twice"))
+    assert worker.conn.aborted == ["a|p0d0", "b|p0d0"]
+    assert worker._parts == {"a": {"a|p0d0"}}  # waits for its reported failure
+    assert worker._outcome == {"b"}  # never started: ended now, its blocks may be freed
+    assert worker.metrics.counts == {"failed_refused_step": 2}

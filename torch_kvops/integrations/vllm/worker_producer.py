@@ -87,7 +87,11 @@ class ProducerWorker(KvopsWorker):
         if requests:
             log.debug("start_step %s at %.4f", [r.req_id for r in requests], time.monotonic())
             self._step_started = time.monotonic()
-            self.conn.start_step(requests)
+            try:
+                self.conn.start_step(requests)
+            except ValueError as exc:
+                self._refuse_step(requests, exc)
+                return
             # one mode per step: a step holding any after-forward request pushes after
             # the forward (a per-request split would need two steps' worth of pushes)
             self._step_mode = "after_forward" if "after_forward" in modes else "layerwise"
@@ -247,6 +251,25 @@ class ProducerWorker(KvopsWorker):
         self._known -= sending
         released, self._released = self._released, set()  # never pushed: nothing reads them
         return sending | released, set(), set()
+
+    def _refuse_step(self, requests: List[TransferRequest], exc: ValueError) -> None:
+        """The connector refused the step's plan (validated before anything moved, e.g.
+        two requests naming the same destination block after the decode side reused a
+        block): the step pushes nothing and its requests fail, so their decode sides
+        recompute them, instead of the engine dying on a worker error."""
+        log.error("push step refused, its %d parts are not pushed (decode recomputes them): %s",
+                  len(requests), exc)
+        self.metrics.count("failed_refused_step", len(requests))
+        for part in requests:
+            if self.conn.abort(part.req_id, f"the prefill side refused the step: {exc}"):
+                continue  # in flight: its failure comes back through get_finished
+            req_id = self._tid_to_req.pop(part.req_id, None)
+            parts = self._parts.get(req_id) if req_id is not None else None
+            if parts is not None:
+                parts.discard(part.req_id)
+                if not parts:
+                    del self._parts[req_id]
+                    self._outcome.add(req_id)
 
     def _abort_parts(self, req_id: str) -> None:
         """Producer: the scheduler finished the request before its last chunk (aborted,
