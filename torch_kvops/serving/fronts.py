@@ -15,8 +15,17 @@ if TYPE_CHECKING:
     from .servers import Server
 
 
+class _Launched:
+    """What every front end shares: started with the harness's environment plus ``env``."""
+
+    env: Dict[str, str]
+
+    def environment(self) -> Dict[str, str]:
+        return dict(os.environ, **self.env)
+
+
 @dataclass
-class ProxySpec:
+class ProxySpec(_Launched):
     """Our P/D proxy (:mod:`torch_kvops.serving.proxy`) in front of started servers;
     started and stopped like them (``Servers.add``). The servers' URLs and side channels
     are read when the proxy starts. ``extra_args``: more proxy options (``--retries``,
@@ -41,18 +50,18 @@ class ProxySpec:
                 "--prefill-side-channel", ",".join(p.side_channel for p in self.prefill),
                 "--decode", ",".join(d.url for d in self.decode), *self.extra_args]
 
-    def environment(self) -> Dict[str, str]:
-        return dict(os.environ, **self.env)
 
-
-def _router_metrics_args(host: str) -> List[str]:
-    """vllm-router's Prometheus exporter on a free port: its default, 29000, is one per
-    host (network namespace), and a second router there panics at start-up."""
-    return ["--prometheus-host", host, "--prometheus-port", str(free_port(host))]
+def _router_command(host: str, port: int, policy: str, *mode_args: str) -> List[str]:
+    """vllm-router's command line; its Prometheus exporter on a free port (its default,
+    29000, is one per host or network namespace, and a second router there panics at
+    start-up)."""
+    return [sys.executable, "-m", "vllm_router.launch_router", "--host", host, "--port", str(port),
+            "--policy", policy, "--request-timeout-secs", "600", "--prometheus-host", host,
+            "--prometheus-port", str(free_port(host)), *mode_args]
 
 
 @dataclass
-class RouterSpec:
+class RouterSpec(_Launched):
     """vLLM's router (``vllm-router`` 0.1.17, PyPI ``vllm-router``) in P/D mode in front of
     started servers, as users deploy it: ``--vllm-pd-disaggregation --kv-connector
     mooncake`` sends each request to P first (``max_tokens=1``), then to D with
@@ -71,22 +80,17 @@ class RouterSpec:
     role: str = "proxy"  # started after the servers it fronts
 
     def command(self) -> List[str]:
-        cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation",
-               "--kv-connector", self.kv_connector, "--host", self.host, "--port", str(self.port),
-               "--policy", self.policy, "--request-timeout-secs", "600",
-               *_router_metrics_args(self.host)]
+        cmd = _router_command(self.host, self.port, self.policy, "--vllm-pd-disaggregation",
+                              "--kv-connector", self.kv_connector)
         for p in self.prefill:
             cmd += ["--prefill", p.url, str(p.spec.bootstrap_port)]
         for d in self.decode:
             cmd += ["--decode", d.url]
         return cmd + list(self.extra_args)
 
-    def environment(self) -> Dict[str, str]:
-        return dict(os.environ, **self.env)
-
 
 @dataclass
-class ReplicaRouterSpec:
+class ReplicaRouterSpec(_Launched):
     """vLLM's router (``vllm-router``) in its regular mode in front of started monolithic
     servers: ``--worker-urls A B --policy round_robin`` spreads whole requests over the
     replicas (the data-parallel baseline P/D is compared with)."""
@@ -102,10 +106,5 @@ class ReplicaRouterSpec:
     role: str = "proxy"  # started after the servers it fronts
 
     def command(self) -> List[str]:
-        return [sys.executable, "-m", "vllm_router.launch_router", "--host", self.host,
-                "--port", str(self.port), "--policy", self.policy, "--request-timeout-secs", "600",
-                *_router_metrics_args(self.host), "--worker-urls", *(w.url for w in self.workers),
-                *self.extra_args]
-
-    def environment(self) -> Dict[str, str]:
-        return dict(os.environ, **self.env)
+        return _router_command(self.host, self.port, self.policy, "--worker-urls",
+                               *(w.url for w in self.workers), *self.extra_args)
