@@ -243,6 +243,42 @@ def test_consumer_lease_expires_for_a_request_that_never_arrives():
         proc.stop()
 
 
+def test_a_renewed_lease_outlives_its_term_until_max_wait():
+    """renew() (the producer said it still owes the push) keeps a request alive past
+    lease_s, never past max_wait_s; a request nobody renews fails at lease_s."""
+    proc = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **dict(FAST, lease_s=0.6, max_wait_s=2.5))
+    try:
+        proc.call("expect", ["kept", "ghost"])
+        started = time.monotonic()
+        failed_at = {}
+        while "kept" not in failed_at and time.monotonic() - started < 6.0:
+            renewed = proc.call("renew", ["kept", "unknown"])
+            _, failed = proc.call("drain")
+            for req_id in failed:
+                failed_at[req_id] = time.monotonic() - started
+            assert renewed[1] is False  # never expected here
+            assert renewed[0] is True or "kept" in failed_at
+            time.sleep(0.1)
+        _, failed = proc.call("drain")
+        failed_at.update({r: time.monotonic() - started for r in failed})
+        print(f"lease 0.6 s, max wait 2.5 s, renewed every 0.1 s: failed at {failed_at}")
+        assert 2.3 < failed_at["kept"] < 3.5 and failed_at["ghost"] < 1.5, failed_at
+    finally:
+        proc.stop()
+
+
+def test_a_lease_nobody_renews_ends_at_its_term():
+    """Negative control of the test above: the same request without renewals."""
+    proc = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **dict(FAST, lease_s=0.6, max_wait_s=2.5))
+    try:
+        proc.call("expect", ["kept"])
+        started = time.monotonic()
+        _, failed, _ = proc.call("wait", ["kept"], 5.0)
+        assert failed == {"kept"} and time.monotonic() - started < 1.5
+    finally:
+        proc.stop()
+
+
 class TinyModel(torch.nn.Module):
     """Each layer projects the hidden state into K/V, scatters it into its cache
     in place, and calls the connector hook."""

@@ -147,6 +147,75 @@ def test_a_dead_prefill_delays_only_its_own_destinations():
         blackhole.close()
 
 
+class Pending:
+    """on_pending recorder: (address, pending transfer ids or None)."""
+
+    def __init__(self):
+        self.items, self._lock = [], threading.Lock()
+
+    def __call__(self, address, pending):
+        with self._lock:
+            self.items.append((address, pending))
+
+    def next(self, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self.items:
+                    return self.items.pop(0)
+            time.sleep(0.001)
+        raise AssertionError("no answer to the liveness question")
+
+
+@pytest.mark.parametrize("auth", [None, FleetAuth(KEY, skew_s=5.0)], ids=["plain", "signed"])
+def test_prefill_answers_which_transfers_it_still_owes_and_refuses_settled_ones(auth):
+    """D's liveness question: P owes a destination not yet taken (the request waits in
+    its queue) and one taken and not settled (prefilling); not one it settled, nor one
+    it never saw. A post for a settled transfer is refused, so D recomputes at once."""
+    server = DestinationServer("127.0.0.1", 0, auth=auth)
+    results, pending = Results(), Pending()
+    poster = DestinationPoster(results, timeout_s=1.0, retries=0, auth=auth, on_pending=pending)
+    blackhole = socket.create_server(("127.0.0.1", 0), backlog=4)
+    dead = f"127.0.0.1:{blackhole.getsockname()[1]}"
+    try:
+        for tid in ("queued", "prefilling", "done"):
+            assert post_latency(poster, server.address, results, tid)[0] is not None
+        assert server.take("prefilling") is not None and server.take("done") is not None
+        server.settle("done")
+        assert poster.probe(server.address, ["queued", "prefilling", "done", "never"])
+        assert pending.next() == (server.address, ["queued", "prefilling"])
+        results.items.clear()
+        answer, _ = post_latency(poster, server.address, results, "done")
+        assert answer is None  # refused: settled
+        server.settle("prefilling")
+        server.settle("queued")  # given up before it was taken (e.g. no late binding)
+        assert poster.probe(server.address, ["queued", "prefilling"])
+        assert pending.next() == (server.address, [])
+        assert poster.probe(dead, ["x"])
+        assert not poster.probe(dead, ["x"])  # one question at a time per P
+        assert pending.next(5.0) == (dead, None)  # no answer: nothing renewed
+        assert server.counters()["settled"] == 1 and server.counters()["probes"] == 2
+        counts = poster.counters()
+        assert counts["probed"] == 2 and counts["probe_failed"] == 1, counts
+        assert poster.failures == 1  # the refused post; liveness questions are not posts
+    finally:
+        poster.close()
+        server.close()
+        blackhole.close()
+
+
+def test_a_malformed_liveness_question_is_refused_and_counted():
+    server = DestinationServer("127.0.0.1", 0)
+    try:
+        for bad in ({"op": "pending"}, {"op": "pending", "transfer_ids": "x"},
+                    {"op": "pending", "transfer_ids": [1]},
+                    {"op": "pending", "transfer_ids": ["x"] * 5000}):
+            assert ask(server.address, json.dumps(bad).encode() + b"\n") == b"bad"
+        assert server.counters()["malformed"] == 4 and server.counters()["probes"] == 0
+    finally:
+        server.close()
+
+
 def test_the_poster_survives_every_bad_address_and_posts_the_next_good_one():
     server = DestinationServer("127.0.0.1", 0)
     results = Results()

@@ -186,6 +186,40 @@ def test_late_binding_switched_off_p_first_leaves_decode_to_recompute(pd):
     assert out["tokens"] == pd.reference
 
 
+def _d_first_with_p_late_by_more_than_the_lease(pd) -> str:
+    """D posts its destination at once; P gets the request only after D's lease (a
+    request queued behind others on a busy P, or a slow router)."""
+    tid = pd.tid("queued")
+    pd.to_d(tid)
+    time.sleep(LEASE_S + 2.0)
+    pd.to_p(tid)
+    return tid
+
+
+def test_decode_waits_past_its_lease_for_a_transfer_p_still_owes(pd):
+    """D asks P every third of its lease which transfers it still owes and renews
+    those leases: P's KV arrives although it began after the lease's term."""
+    renewals = pd.d.metrics().get("vllm:kvops_lease_renewals", 0)
+    got = pd.outcome(_d_first_with_p_late_by_more_than_the_lease(pd))
+    assert got["tokens_match"] and got["kv"]["match"] and got["local_prompt_tokens"] == 1, got
+    assert pd.d.metrics().get("vllm:kvops_lease_renewals", 0) > renewals
+
+
+def test_without_renewals_decode_gives_up_at_its_lease_and_recomputes(pd):
+    """Negative control of the test above: D asks nothing (sabotaged), its lease ends
+    before P begins, D recomputes and P's later push is refused."""
+    pd.switch.set("no_renewal")
+    try:
+        tid = _d_first_with_p_late_by_more_than_the_lease(pd)
+        out = pd.d.wait_done(tid, 120)
+        pd.p.wait_done(tid, 120)
+    finally:
+        pd.switch.set("")
+    assert offline.local_prompt_tokens(out) == PROMPT_LEN and out["tokens"] == pd.reference
+    blocks = pd.p.drain(30)
+    assert blocks["idle"] and blocks["free_blocks"] == blocks["usable_blocks"], blocks
+
+
 BAD_DECODE_PARAMS = [
     ("transfer_id missing", {"do_remote_prefill": True, "kvops_producer": "127.0.0.1:1"}),
     ("transfer_id not a string", {"do_remote_prefill": True, "transfer_id": 7,

@@ -42,8 +42,9 @@ class _Output:
         self.finished_sending = set(sending)
 
 
-def _post(server, tid, blocks, start=0):
-    """What D's poster delivers, straight into P's side channel."""
+def _post(server, tid, blocks, start=0, answer=b"{"):
+    """What D's poster delivers, straight into P's side channel; P's answer starts
+    with ``answer``."""
     import json
     import socket
     host, port = server.address.rsplit(":", 1)
@@ -51,7 +52,7 @@ def _post(server, tid, blocks, start=0):
     with socket.create_connection((host, int(port)), timeout=2) as sock:
         sock.settimeout(2)
         sock.sendall(json.dumps(msg).encode() + b"\n")
-        assert sock.recv(256).startswith(b"{")
+        assert sock.recv(256).startswith(answer)
 
 
 def _step(sched, scheduled=None):
@@ -96,6 +97,23 @@ def test_p_first_is_scheduled_at_once_and_binds_between_chunks(producer):
     assert not sched.has_pending_push_work()
 
 
+def test_p_owes_a_transfer_from_its_post_until_its_last_chunk_is_handed_over(producer):
+    """What P answers D's liveness question (side_channel/server.py) through a
+    request's life: queued (posted, not admitted), prefilling, last chunk handed over."""
+    sched = producer()
+    _post(sched.server, "t", [20, 21, 22, 23])
+    assert sched.server.pending(["t", "other"]) == ["t"]  # waits in P's queue
+    req = _Request("r", {"do_remote_decode": True, "transfer_id": "t"}, prompt=100)
+    sched.get_num_new_matched_tokens(req, 0)  # admitted: the destination is taken
+    _step(sched, {"r": 40})
+    req.num_computed_tokens = 40
+    assert sched.server.pending(["t"]) == ["t"]  # prefilling: more chunks to come
+    assert _pushes(_step(sched, {"r": 60}))[-1][2] is True  # the last chunk
+    assert sched.server.pending(["t"]) == []  # the pushes renew D's lease from here
+    req.num_computed_tokens = 100
+    assert sched.request_finished(req)[0] is True
+
+
 def test_destination_after_finish_pushes_the_held_blocks_in_a_step_without_tokens(producer):
     sched = producer()
     req = _Request("r", {"do_remote_decode": True, "transfer_id": "t"}, prompt=100)
@@ -126,7 +144,9 @@ def test_holds_are_released_on_their_time_bound_once(producer):
     assert _step(sched).release == ["r"]
     assert _step(sched).release == []  # released once
     assert sched.has_pending_push_work()  # until the workers report it
-    _post(sched.server, "t", [20, 21, 22, 23])  # too late: ignored
+    # too late: refused (D recomputes at once) and never pending again
+    _post(sched.server, "t", [20, 21, 22, 23], answer=b"settled")
+    assert sched.server.pending(["t"]) == []
     assert _pushes(_step(sched)) == []
     sched.update_connector_output(_Output({"r"}))
     assert not sched.has_pending_push_work()

@@ -25,7 +25,9 @@ prefill engine:
 In a decode engine:
 
 - ``trust_all``: a transfer that failed part-way is taken as whole (no block is
-  reported as a load error, so vLLM keeps blocks that never received their KV).
+  reported as a load error, so vLLM keeps blocks that never received their KV);
+- ``no_renewal``: the scheduler asks no prefill engine which transfers it still owes
+  (the leases are never renewed, for negative controls).
 """
 import os
 import time
@@ -134,3 +136,13 @@ def install_decode() -> None:
         return valid_blocks(self, landed)
 
     ConsumerWorker._valid_blocks = sabotaged_valid_blocks
+
+    from torch_kvops.integrations.vllm.scheduler_consumer import ConsumerScheduler
+
+    renew_owed = ConsumerScheduler._renew_owed
+
+    def sabotaged_renew_owed(self, meta):
+        if "no_renewal" not in modes():
+            renew_owed(self, meta)
+
+    ConsumerScheduler._renew_owed = sabotaged_renew_owed

@@ -34,6 +34,9 @@ class ConnectorConfig:
     event_timeout_s: float = 60.0  # a pushed layer's device event must complete by then
     step_timeout_s: float = 600.0  # all layers of a step must be pushed by then
     lease_s: float = 30.0  # consumer: a started request must progress within this
+    # consumer: renewals by a producer that says it still owes the push (renew()) end
+    # this long after the request was first expected
+    max_wait_s: float = 300.0
     control_timeout_s: float = 5.0  # connect/send on the control channel
     quarantine_s: float = 1.0  # a write that failed may still land late (Mooncake#4247)
     # Staging of fragmented layers (docs/connector.md). A layer whose merged

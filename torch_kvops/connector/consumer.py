@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Incoming:
     deadline: float
+    since: float = field(default_factory=time.monotonic)  # renewals end max_wait_s after
     owner: Optional[Session] = None  # the session whose begin claimed it
     blocks: Set[int] = field(default_factory=set)  # destination blocks named by its begins
     chunks: int = 0
@@ -102,6 +103,16 @@ class ConsumerSide(ConsumerIntegrity):
         with self._ledger.lock:
             if req_id not in self._incoming and not self._ledger.was_reported_locked(req_id):
                 self._incoming[req_id] = _Incoming(time.monotonic() + (lease_s or self._config.lease_s))
+
+    def renew(self, req_id: str) -> bool:
+        now = time.monotonic()
+        with self._ledger.lock:
+            entry = self._incoming.get(req_id)
+            if entry is None or entry.ended:
+                return False
+            entry.deadline = max(entry.deadline, min(now + self._config.lease_s,
+                                                     entry.since + self._config.max_wait_s))
+            return True
 
     def check(self) -> None:
         """Re-raise an error that stopped the control server thread."""

@@ -189,6 +189,13 @@ class LayerwiseConnector:
         self._require("consumer", registered=True)
         self._side.expect(req_id, lease_s)
 
+    def renew(self, req_id: str) -> bool:
+        """Consumer: extend the lease of an expected request by ``lease_s`` (its
+        producer said it lives and still owes the push), never past ``max_wait_s``
+        after it was first expected. False if it is not in flight here."""
+        self._require("consumer", registered=True)
+        return self._side.renew(req_id)
+
     # ------------------------------------------------------------------ both roles
 
     def get_finished(self) -> Tuple[Set[str], Set[str]]:

@@ -61,7 +61,10 @@ def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, tran
         connector.close()
         transport.close()
 
-    serve(pipe, {"expect": expect, "wait": wait, "drain": drain, "stats": connector.stats,
+    def renew(req_ids):
+        return [connector.renew(req_id) for req_id in req_ids]
+
+    serve(pipe, {"expect": expect, "renew": renew, "wait": wait, "drain": drain, "stats": connector.stats,
                  "resources": process_resources, "landed": lambda: dict(landed),
                  "caches": lambda: [c.cpu().numpy().copy() for c in caches]}, close)
 

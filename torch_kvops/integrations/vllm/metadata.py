@@ -164,6 +164,9 @@ class KvopsConnectorMetadata(KVConnectorMetadata):
         # producer: held requests given up on (no destination within the bounds); the
         # workers report them in finished_sending, so vLLM frees their blocks once
         self.release: List[str] = []
+        # consumer: requests whose prefill side still owes their push (it said so just
+        # now): the workers renew their leases
+        self.renew: List[str] = []
 
 
 @dataclass

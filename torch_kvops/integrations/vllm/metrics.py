@@ -109,6 +109,8 @@ class KvopsConnectorStats(KVConnectorStats):
                 out[label] = int(self.data[key])
         if self.data.get("holds"):
             out["Held for a late destination"] = int(self.data["holds"])
+        if self.data.get("lease_renewals"):
+            out["Lease renewals"] = int(self.data["lease_renewals"])
         for cause, count in self.failures_by_cause().items():
             out[f"Failed ({cause})"] = int(count)
         for key, count in self.data.items():
@@ -217,6 +219,9 @@ class KvopsPromMetrics(KVConnectorPromMetrics):
                   "arrived, whose blocks it held (late binding)."),
         "holds_pushed": ("vllm:kvops_holds_pushed",
                          "Held requests pushed when their destination arrived (prefill)."),
+        "lease_renewals": ("vllm:kvops_lease_renewals",
+                           "Leases renewed because the prefill engine said it still owes the "
+                           "push, e.g. the request waits in its queue (decode)."),
     }
     _HISTOGRAMS = {
         "layer_transfer_s": ("vllm:kvops_layer_transfer_seconds",

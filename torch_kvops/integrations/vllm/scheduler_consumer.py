@@ -1,6 +1,11 @@
 """D's scheduler side: claims a remote-prefilled prompt as an asynchronous external
 hit, allocates its blocks and posts them (the destination) to the request's prefill
-engine through the side channel; reports how many prompt tokens D computed itself."""
+engine through the side channel; reports how many prompt tokens D computed itself.
+
+Liveness: every third of the lease, D asks each prefill engine it waits for which of
+its transfers it still owes (side_channel/server.py) and has the workers renew the
+leases of those, so a request queued on a busy P is not given up on while P lives;
+the connector's ``max_wait_s`` bounds the renewals."""
 from __future__ import annotations
 
 import logging
@@ -28,12 +33,17 @@ class ConsumerScheduler:
 
     def __init__(self, settings: KvopsSettings, block_size: int) -> None:
         self.settings, self.block_size = settings, block_size
-        self.poster = start_poster(settings, self._posted)
+        self.poster = start_poster(settings, self._posted, self._pending)
+        # transfer id -> (request id, P's address) while P owes its push: asked about
+        self._owed: Dict[str, Tuple[str, str]] = {}
+        self._pending_answers: "deque[List[str]]" = deque()  # from the poster threads
+        self._probe_every_s = settings.connector_config().lease_s / 3
+        self._next_probe = 0.0
         self._side_counts = SideChannelCounts()
         self.peers: Optional[List[dict]] = None  # per-rank peer_info, from the workers' handshakes
         # transfer id -> (request id, the blocks P fills), until P answered the post (the
         # poster thread appends answers to _answers; the engine thread makes RecvReqs)
-        self._posting: Dict[str, Tuple[str, List[int]]] = {}
+        self._posting: Dict[str, Tuple[str, List[int], str]] = {}
         self._answers: "deque[Tuple[str, int]]" = deque()
         self._new: List[RecvReq] = []
         self._in_flight: Set[str] = set()  # P may still write into these requests' blocks
@@ -88,7 +98,8 @@ class ConsumerScheduler:
         block_ids = list(self.kv_cache_manager.get_block_ids(request.request_id)[0])
         # tokens before this are local prefix-cache hits on D: P need not push them
         start_token = request.num_prompt_tokens - num_external_tokens
-        self._posting[tid] = (request.request_id, block_ids[start_token // self.block_size:])
+        self._posting[tid] = (request.request_id, block_ids[start_token // self.block_size:],
+                              remote.producer)
         self._in_flight.add(request.request_id)
         # P's side channel (host:port) or its bootstrap endpoint (http://host:port),
         # forwarded as the client gave it (validated by params.decode_params)
@@ -107,19 +118,45 @@ class ConsumerScheduler:
                 log.error("transfer %s: prefill side answered a bad prefill_tp: %r", tid, answer)
         self._answers.append((tid, prefill_tp))
 
+    def _pending(self, address: str, pending: Optional[List[str]]) -> None:
+        """Poster thread: the transfers ``address`` still owes (None: no answer)."""
+        if pending:
+            self._pending_answers.append(pending)
+
     def build_connector_meta(self, out: "SchedulerOutput", meta: KvopsConnectorMetadata) -> None:
         while self._answers:
             tid, prefill_tp = self._answers.popleft()
             posted = self._posting.pop(tid, None)
             if posted is not None:
                 self._new.append(RecvReq(posted[0], tid, prefill_tp, posted[1]))
+                if prefill_tp > 0:
+                    self._owed[tid] = (posted[0], posted[2])
         meta.recv, self._new = self._new, []
+        self._renew_owed(meta)
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             entry = self._local_prompt.get(req_id)
             if entry is not None:
                 req, computed = entry
                 prompt_part = max(0, min(num_tokens, req.num_prompt_tokens - req.num_computed_tokens))
                 self._local_prompt[req_id] = (req, computed + prompt_part)
+
+    def _renew_owed(self, meta: KvopsConnectorMetadata) -> None:
+        """Hand the workers the requests whose P answered it still owes their push,
+        and ask again when a third of the lease has passed."""
+        while self._pending_answers:
+            for tid in self._pending_answers.popleft():
+                owed = self._owed.get(tid)
+                if owed is not None:
+                    meta.renew.append(owed[0])
+        now = time.monotonic()
+        if not self._owed or now < self._next_probe:
+            return
+        self._next_probe = now + self._probe_every_s
+        by_producer: Dict[str, List[str]] = {}
+        for tid, (_, producer) in self._owed.items():
+            by_producer.setdefault(producer, []).append(tid)
+        for producer, tids in by_producer.items():
+            self.poster.probe(producer, tids)
 
     def request_finished(self, request: "Request") -> Tuple[bool, Optional[Dict[str, Any]]]:
         req_id = request.request_id
@@ -135,7 +172,10 @@ class ConsumerScheduler:
         return request.request_id in self._in_flight, params
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
-        self._in_flight -= set(output.finished_recving or ())
+        received = set(output.finished_recving or ())
+        if received:
+            self._in_flight -= received
+            self._owed = {t: o for t, o in self._owed.items() if o[0] not in received}
 
     def connector_stats(self) -> Optional[KvopsConnectorStats]:
         counts = SchedulerCounts()

@@ -27,6 +27,10 @@ Preemption: the scheduler frees a preempted request's blocks and computes it aga
 later; its pushes start again from D's first block with that recompute, so D ends with
 the KV of the pass that completed the prompt (every chunk pushed before the preemption
 had landed: a step's pushes end before the step does).
+
+D's lease: the side channel answers D's liveness questions (server.py) with the
+transfers P still owes, so D waits for a request queued or preempted here; the
+scheduler settles a transfer once its last chunk went to the workers or P gave it up.
 """
 from __future__ import annotations
 
@@ -121,6 +125,7 @@ class ProducerScheduler:
                           self.settings.wait_for_decode_s)
                 self._waiting.pop(req_id, None)
                 self._no_push.add(req_id)
+                self.server.settle(push.transfer_id)  # a later post is refused: D recomputes
                 self.counts.failure("no_destination")
                 return 0, False
         self._waiting.pop(req_id, None)
@@ -173,9 +178,12 @@ class ProducerScheduler:
                       req.request_id, len(push.dst_blocks), last)
             self.counts.failure("too_few_decode_blocks")
             push.done = True
+            self.server.settle(push.transfer_id)
             return
         push.pushed_tokens = end
         push.done = end >= prompt
+        if push.done:  # D's lease is renewed by the pushes from here
+            self.server.settle(push.transfer_id)
         push.emitted = True
         base = push.start_token // self.block_size  # D's first block P fills
         meta.push.append(PushReq(req.request_id, push.transfer_id, push.peers, src[first:last],
@@ -215,6 +223,7 @@ class ProducerScheduler:
                         else f"while {self.settings.max_held_requests} requests were held")
             self.counts.failure(cause)
             self.counts.count("held_change", -1)
+            self.server.settle(push.transfer_id)
             self._release.append(req_id)
             self._releasing.add(req_id)
 
@@ -229,6 +238,7 @@ class ProducerScheduler:
             return False, None
         answer = for_decode(push.transfer_id, self.server.address)  # for nixl-mode routers
         if push.emitted:
+            self.server.settle(push.transfer_id)  # done, or aborted before its last chunk
             # The worker reports it in finished_sending once its last push returned.
             self._awaiting_free.add(req_id)
             return True, answer
@@ -242,6 +252,7 @@ class ProducerScheduler:
             self.counts.count("held_change", 1)
             self._expire_holds(push.held_since)  # the count bound, at once
             return True, answer
+        self.server.settle(push.transfer_id)
         return False, answer
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:

@@ -46,6 +46,12 @@ class ConsumerWorker(KvopsWorker):
     def begin_step(self, meta: KvopsConnectorMetadata) -> None:
         for recv in meta.recv:
             self._expect(recv.req_id, recv.transfer_id, recv.prefill_tp, recv.block_ids)
+        renewed = 0
+        for req_id in meta.renew:  # P said it still owes these: it lives and will push
+            for part in self._recv_left.get(req_id, ()):
+                renewed += self.conn.renew(part)
+        if renewed:
+            self.metrics.count("lease_renewals", renewed)
 
     def _expect(self, req_id: str, transfer_id: str, prefill_tp: int, block_ids: List[int]) -> None:
         """Wait for the parts of ``transfer_id`` this rank receives (tp.py)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 from ..metrics import SIDE_CHANNEL_PREFIX
 from .auth import warn_unauthenticated
@@ -53,7 +53,8 @@ def start_prefill_endpoints(settings: "KvopsSettings", tp_size: int, engine_id: 
     return server, bootstrap
 
 
-def start_poster(settings: "KvopsSettings", on_result: Callable[[str, Optional[dict]], None]
+def start_poster(settings: "KvopsSettings", on_result: Callable[[str, Optional[dict]], None],
+                 on_pending: Optional[Callable[[str, Optional[List[str]]], None]] = None
                  ) -> DestinationPoster:
     """D: the poster, signing and TLS from the settings."""
     auth, tls = settings.side_channel_security()
@@ -62,7 +63,7 @@ def start_poster(settings: "KvopsSettings", on_result: Callable[[str, Optional[d
                              "peer_info, with the control channel's secret, crosses the side "
                              f"channel{'' if tls else ' in clear'}")
     return DestinationPoster(on_result, settings.post_timeout_s, settings.post_retries,
-                             auth=auth, tls=tls)
+                             auth=auth, tls=tls, on_pending=on_pending)
 
 
 class SideChannelCounts:

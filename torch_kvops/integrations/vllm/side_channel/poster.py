@@ -6,6 +6,10 @@ P delays only the destinations posted to it. A worker with nothing to do for
 ``on_result(transfer_id, answer)`` call, whatever happens: an exception while posting
 one message is caught, logged and counted, and the worker goes on with the next.
 
+Liveness questions (:meth:`DestinationPoster.probe`) go through the same worker, after
+the posts queued before them, in one attempt: ``on_pending(address, pending)`` gets
+the transfer ids P still owes, or None if P did not answer.
+
 Addresses: ``host:port`` (P's side channel) or ``http://host:port`` (P's bootstrap
 endpoint, vLLM's ``remote_bootstrap_addr``): the worker asks ``GET /query`` there for
 the side-channel address and caches it for ``resolve_ttl_s``.
@@ -19,7 +23,7 @@ import queue
 import socket
 import threading
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .auth import AuthError, FleetAuth, TlsFiles
 
@@ -28,6 +32,7 @@ log = logging.getLogger(__name__)
 MAX_ANSWER_BYTES = 64 << 10
 OUTCOMES = ("posted", "bad_address", "queue_full", "too_many_peers", "unreachable", "refused",
             "bad_answer", "error")
+PROBE_OUTCOMES = ("probed", "probe_failed")
 
 
 def parse_address(address: object) -> Tuple[str, str, int]:
@@ -82,6 +87,7 @@ class _Peer:
         self.queue: "queue.Queue[dict]" = queue.Queue(maxsize=capacity)
         self.thread: Optional[threading.Thread] = None
         self.resolved: Optional[Tuple[str, int, float]] = None  # (host, port, until)
+        self.probing = False  # a liveness question is queued or on its way
 
 
 class DestinationPoster:
@@ -94,8 +100,10 @@ class DestinationPoster:
     def __init__(self, on_result: Callable[[str, Optional[dict]], None], timeout_s: float = 2.0,
                  retries: int = 2, capacity: int = 1024, *, auth: Optional[FleetAuth] = None,
                  tls: Optional[TlsFiles] = None, max_peers: int = 256, idle_s: float = 60.0,
-                 resolve_ttl_s: float = 30.0) -> None:
+                 resolve_ttl_s: float = 30.0,
+                 on_pending: Optional[Callable[[str, Optional[List[str]]], None]] = None) -> None:
         self._on_result = on_result
+        self._on_pending = on_pending
         self._timeout_s, self._retries = timeout_s, retries
         self._capacity, self._max_peers, self._idle_s = capacity, max_peers, idle_s
         self._resolve_ttl_s = resolve_ttl_s
@@ -104,13 +112,13 @@ class DestinationPoster:
         self._peers: Dict[str, _Peer] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._counts: Dict[str, int] = dict.fromkeys(OUTCOMES, 0)
+        self._counts: Dict[str, int] = dict.fromkeys(OUTCOMES + PROBE_OUTCOMES, 0)
 
     @property
     def failures(self) -> int:
         """Posts that ended without P's acceptance (every outcome but ``posted``)."""
         with self._lock:
-            return sum(v for k, v in self._counts.items() if k != "posted")
+            return sum(self._counts[k] for k in OUTCOMES if k != "posted")
 
     def counters(self) -> Dict[str, int]:
         """Cumulative outcomes of posts: ``posted`` and one per failure cause."""
@@ -127,6 +135,28 @@ class DestinationPoster:
         except ValueError as exc:
             log.error("transfer %s: %s", tid, exc)
             return self._fail_now(tid, "bad_address")
+        outcome = self._enqueue(address, message)
+        if outcome is None:
+            return True
+        log.error("transfer %s not posted to %s: %s", tid, address, outcome)
+        return self._fail_now(tid, outcome)
+
+    def probe(self, address: str, transfer_ids: List[str]) -> bool:
+        """Ask ``address`` which of ``transfer_ids`` it still owes a push (answered in
+        ``on_pending``). False, and no answer, if a question to it is on its way already
+        or it cannot be queued (the leases then run on)."""
+        with self._lock:
+            peer = self._peers.get(address)
+            if peer is not None and peer.probing:
+                return False
+        if self._enqueue(address, {"op": "pending", "transfer_ids": list(transfer_ids)}) is None:
+            return True
+        self._count("probe_failed")
+        return False
+
+    def _enqueue(self, address: str, message: dict) -> Optional[str]:
+        """Queue ``message`` on the worker of ``address`` (started if needed); None,
+        or why it was not queued."""
         with self._lock:
             if self._stop.is_set():
                 outcome = "error"
@@ -142,11 +172,11 @@ class DestinationPoster:
                         peer.thread.start()
                     try:
                         peer.queue.put_nowait(message)
-                        return True
+                        peer.probing = peer.probing or message.get("op") == "pending"
+                        return None
                     except queue.Full:
                         outcome = "queue_full"
-        log.error("transfer %s not posted to %s: %s", tid, address, outcome)
-        return self._fail_now(tid, outcome)
+        return outcome
 
     def _fail_now(self, tid: str, outcome: str) -> bool:
         self._count(outcome)
@@ -177,6 +207,10 @@ class DestinationPoster:
                             self._peers.pop(peer.address, None)
                             return
                 continue
+            if message.get("op") == "pending":
+                self._ask_pending(peer, message)
+                idle_since = time.monotonic()
+                continue
             tid, answer, outcome = str(message.get("transfer_id")), None, "error"
             try:
                 if self._stop.is_set():
@@ -191,6 +225,32 @@ class DestinationPoster:
             self._count(outcome)
             self._report(tid, answer)
             idle_since = time.monotonic()
+
+    def _ask_pending(self, peer: _Peer, message: dict) -> None:
+        """One attempt: a P that does not answer at once renews nothing."""
+        pending = None
+        try:
+            if not self._stop.is_set():
+                answer = self._post_once(*self._side_channel(peer), message)
+                got = answer.get("pending")
+                if isinstance(got, list) and all(isinstance(t, str) for t in got):
+                    pending = got
+                else:
+                    log.warning("prefill side at %s answered a liveness question without a list",
+                                peer.address)
+        except (OSError, ConnectionError, TimeoutError, http.client.HTTPException, _Refused) as exc:
+            peer.resolved = None
+            log.warning("prefill side at %s did not answer a liveness question: %s", peer.address, exc)
+        except Exception:  # the worker lives on
+            log.exception("liveness question to %s failed", peer.address)
+        with self._lock:
+            peer.probing = False
+        self._count("probed" if pending is not None else "probe_failed")
+        if self._on_pending is not None:
+            try:
+                self._on_pending(peer.address, pending)
+            except Exception:  # the scheduler's callback: log it, keep the worker
+                log.exception("on_pending(%s) raised", peer.address)
 
     def _deliver(self, peer: _Peer, message: dict) -> dict:
         last: Optional[BaseException] = None

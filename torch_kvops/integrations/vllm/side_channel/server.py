@@ -7,6 +7,13 @@ message is at most ``max_message_bytes``, at most ``max_connections`` are open (
 one beyond that closes the oldest, which a legitimate poster, done in milliseconds,
 never is), and the table holds at most ``capacity`` destinations for ``ttl_s``.
 
+Liveness: D asks ``{"op": "pending", "transfer_ids": [...]}`` every third of its lease
+and renews the leases of the transfers P answers it still owes: a destination not yet
+taken (the request waits in P's queue) or taken and not settled (P is prefilling it;
+its pushes renew the lease too once they begin). A transfer P settled (its last chunk
+handed to the workers, or given up on) is never pending again, and a post for it is
+refused (``settled``), so D recomputes at once instead of waiting for its lease.
+
 Every refusal is counted by cause (:meth:`DestinationServer.counters`).
 """
 from __future__ import annotations
@@ -27,8 +34,10 @@ from .auth import AuthError, FleetAuth, TlsFiles
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 4 << 20  # block ids of a very long prompt fit; anything larger is refused
+MAX_PROBED = 4096  # transfer ids one liveness question may name
 REFUSALS = ("slow", "oversized", "malformed", "unsigned", "bad_signature", "stale", "replay",
-            "replay_cache_full", "full", "too_many_connections", "closed_early", "tls_failed")
+            "replay_cache_full", "full", "too_many_connections", "closed_early", "tls_failed",
+            "settled")
 
 
 @dataclass
@@ -75,7 +84,10 @@ class DestinationServer:
         self._tls = tls.server_context() if tls is not None else None
         self._lock = threading.Lock()
         self._dests: "OrderedDict[str, Tuple[float, dict]]" = OrderedDict()
-        self._counts: Dict[str, int] = dict.fromkeys(("accepted",) + REFUSALS, 0)
+        # taken by the scheduler and not settled: tid -> forget after (monotonic)
+        self._active: "OrderedDict[str, float]" = OrderedDict()
+        self._settled: "OrderedDict[str, None]" = OrderedDict()  # the newest ``capacity``
+        self._counts: Dict[str, int] = dict.fromkeys(("accepted", "probes") + REFUSALS, 0)
         self._conns: "OrderedDict[socket.socket, _Conn]" = OrderedDict()  # oldest first
         self._stop = threading.Event()
         self._error: Optional[BaseException] = None
@@ -96,7 +108,30 @@ class DestinationServer:
         with self._lock:
             self._expire()
             entry = self._dests.pop(transfer_id, None)
+            if entry is not None:
+                self._active[transfer_id] = time.monotonic() + self._ttl_s
+                _trim(self._active, self._capacity)
         return None if entry is None else entry[1]
+
+    def settle(self, transfer_id: str) -> None:
+        """The scheduler owes ``transfer_id`` nothing more: its last chunk went to the
+        workers (their pushes renew D's lease from there), or P gave it up. It is not
+        pending any more, and a (late) post for it is refused."""
+        with self._lock:
+            self._dests.pop(transfer_id, None)
+            self._active.pop(transfer_id, None)
+            self._settled[transfer_id] = None
+            _trim(self._settled, self._capacity)
+
+    def pending(self, transfer_ids) -> list:
+        """Of ``transfer_ids``, those P still owes a push: posted and not taken, or
+        taken and not settled."""
+        now = time.monotonic()
+        with self._lock:
+            self._expire()
+            while self._active and next(iter(self._active.values())) < now:
+                self._active.popitem(last=False)
+            return [t for t in transfer_ids if t in self._dests or t in self._active]
 
     def counters(self) -> Dict[str, int]:
         """Cumulative counts: ``accepted`` and one per refusal cause (REFUSALS)."""
@@ -252,6 +287,8 @@ class DestinationServer:
                 msg, reply_to = self._auth.open(msg, "post")
             if not isinstance(msg, dict):
                 raise ValueError("not a JSON object")
+            if msg.get("op") == "pending":
+                return self._answer_pending(msg, reply_to)
             tid, dest = parse_destination(msg)
         except AuthError as exc:
             log.warning("side channel: refused a post: %s", exc)
@@ -263,6 +300,10 @@ class DestinationServer:
             return self._answer({"ok": False, "error": "bad"}, reply_to, b"bad")
         with self._lock:
             self._expire()
+            if tid in self._settled:
+                log.warning("side channel: destination of %s arrived after P settled it: refused", tid)
+                self._counts["settled"] += 1
+                return self._answer({"ok": False, "error": "settled"}, reply_to, b"settled")
             if tid not in self._dests and len(self._dests) >= self._capacity:
                 log.error("side channel full (%d destinations): refusing %s", self._capacity, tid)
                 self._counts["full"] += 1
@@ -276,7 +317,21 @@ class DestinationServer:
         log.debug("destination of %s arrived at %.4f", tid, time.monotonic())
         return self._answer(self._facts, reply_to, self._accepted)
 
+    def _answer_pending(self, msg: dict, reply_to: str) -> bytes:
+        tids = msg.get("transfer_ids")
+        if (not isinstance(tids, list) or len(tids) > MAX_PROBED
+                or any(not isinstance(t, str) or len(t) > 512 for t in tids)):
+            raise ValueError(f"transfer_ids must be a list of at most {MAX_PROBED} strings")
+        self._count("probes")
+        body = {"ok": True, "pending": self.pending(tids)}
+        return self._answer(body, reply_to, json.dumps(body).encode())
+
     def _answer(self, body: dict, reply_to: str, plain: bytes) -> bytes:
         if self._auth is None or not reply_to:
             return plain
         return self._auth.seal(body, "answer", reply_to)[0].rstrip(b"\n")
+
+
+def _trim(table: "OrderedDict", capacity: int) -> None:
+    while len(table) > capacity:
+        table.popitem(last=False)
