@@ -264,3 +264,42 @@ def test_decode_scheduler_claims_the_prompt_posts_its_blocks_and_counts_local_to
     finally:
         sched.shutdown()
         server.close()
+
+
+def test_decode_scheduler_renews_what_p_still_owes_until_its_request_is_aborted():
+    """D asks P which transfers it still owes (every lease_s/3) and hands the workers
+    those requests to renew; an aborted request is never renewed again (its lease then
+    frees its blocks), and a transfer P settled is not renewed."""
+    from torch_kvops.integrations.vllm.metadata import KvopsConnectorMetadata
+    from torch_kvops.integrations.vllm.scheduler import ConsumerScheduler
+
+    server = DestinationServer("127.0.0.1", 0, facts={"prefill_tp": 1})
+    sched = ConsumerScheduler(KvopsSettings(connector={"lease_s": 0.3}), block_size=32)
+
+    def renewed_within(seconds):
+        got, deadline = [], time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            meta = KvopsConnectorMetadata()
+            sched.build_connector_meta(_Out({}), meta)
+            got += meta.renew
+            time.sleep(0.01)
+        return got
+
+    try:
+        sched.peers = [{"engine_id": "d0"}]
+        sched.kv_cache_manager = _Blocks({"r": [7, 8, 9, 3], "s": [1, 2, 4, 5]})
+        reqs = {}
+        for rid in ("r", "s"):
+            reqs[rid] = _Request(rid, {"do_remote_prefill": True, "transfer_id": "t" + rid,
+                                       "kvops_producer": server.address}, prompt=100)
+            sched.get_num_new_matched_tokens(reqs[rid], 0)
+            sched.update_state_after_alloc(reqs[rid], None, 100)
+        got = renewed_within(0.5)
+        assert set(got) == {"r", "s"} and got.count("r") >= 2, got  # P has both, untaken
+        server.take("ts")
+        server.settle("ts")  # its last chunk went to P's workers: the pushes renew it now
+        assert sched.request_finished(reqs["r"])[0] is True  # aborted while P may push
+        assert renewed_within(0.5) == []
+    finally:
+        sched.shutdown()
+        server.close()

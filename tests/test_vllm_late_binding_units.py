@@ -114,6 +114,15 @@ def test_p_owes_a_transfer_from_its_post_until_its_last_chunk_is_handed_over(pro
     assert sched.request_finished(req)[0] is True
 
 
+def test_a_request_aborted_before_admission_is_owed_no_more(producer):
+    sched = producer()
+    _post(sched.server, "t", [20, 21, 22, 23])
+    req = _Request("r", {"do_remote_decode": True, "transfer_id": "t"}, prompt=100)
+    assert sched.request_finished(req) == (False, None)  # aborted in vLLM's waiting queue
+    assert sched.server.pending(["t"]) == []
+    _post(sched.server, "t", [20, 21, 22, 23], answer=b"settled")
+
+
 def test_destination_after_finish_pushes_the_held_blocks_in_a_step_without_tokens(producer):
     sched = producer()
     req = _Request("r", {"do_remote_decode": True, "transfer_id": "t"}, prompt=100)

@@ -168,8 +168,12 @@ class ConsumerScheduler:
         if error is not None:
             params["kvops_error"] = error
         # Finished (e.g. aborted) while P may still push into its blocks: keep them until
-        # the worker reports the transfer over (finished_recving; its lease bounds it).
-        return request.request_id in self._in_flight, params
+        # the worker reports the transfer over (finished_recving). Its lease bounds that:
+        # nobody wants the KV any more, so it is not renewed.
+        if req_id in self._in_flight:
+            self._owed = {t: o for t, o in self._owed.items() if o[0] != req_id}
+            return True, params
+        return False, params
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         received = set(output.finished_recving or ())

@@ -235,6 +235,7 @@ class ProducerScheduler:
         self._no_push.discard(req_id)
         push = self._pushes.pop(req_id, None)
         if push is None:
+            self._settle_unadmitted(request)
             return False, None
         answer = for_decode(push.transfer_id, self.server.address)  # for nixl-mode routers
         if push.emitted:
@@ -254,6 +255,16 @@ class ProducerScheduler:
             return True, answer
         self.server.settle(push.transfer_id)
         return False, answer
+
+    def _settle_unadmitted(self, request: "Request") -> None:
+        """A request finished (aborted) before the scheduler admitted it, or one that
+        was prefilled without push: P will never push it."""
+        try:
+            params = prefill_params(request.kv_transfer_params)
+        except BadTransferParams:
+            return  # refused at admission already, or never admitted: no transfer id to trust
+        if params is not None:
+            self.server.settle(params.transfer_id)
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         sending = set(output.finished_sending or ())
