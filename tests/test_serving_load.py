@@ -13,7 +13,8 @@ by vLLM's own benchmark client (`vllm bench serve`, torch_kvops.serving.load).
   control sends D no transfer parameters and sees D compute the prompts.
 - Faults under load: SIGKILL of a P (answered or failed within the lease, traffic moves
   to the other P, the restarted P takes traffic again), SIGKILL of a D (P releases every
-  block it held), clients that disconnect (P and D abort them).
+  block it held), clients that disconnect (P and D abort them; the negative control, a
+  proxy that aborts nothing upstream, sees D finish the cut requests).
 - After every test all block pools are free and nothing runs (vLLM's /metrics).
 
 One fleet for the module (its start-up is most of the cost); the tests run in order.
@@ -117,6 +118,9 @@ def fleet():
                               extra_args=["--down-s", "3", "--retries", "3"]))
         servers.add(ProxySpec("proxy-nokv", prefill, decode, order="concurrent",
                               extra_args=["--no-decode-params"]))
+        # negative control for the disconnect test: a client's leaving aborts nothing
+        servers.add(ProxySpec("proxy-noabort", prefill, decode, order="concurrent",
+                              extra_args=["--no-abort-on-disconnect"]))
         servers.start_all(900)
         try:
             yield Fleet(servers, model, log_dir)
@@ -272,18 +276,17 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict, disconne
     return "done"
 
 
-def test_client_disconnects_abort_on_prefill_and_decode(fleet):
-    import random
-
-    rng = random.Random(7)
-    prompts = [random_prompt(rng.randint(200, 1500), 1024, rng) for _ in range(40)]
-    # 10% of the clients: two before the first byte (P and D still working), two
-    # mid-stream (D decoding a long answer)
-    cut = {3: 0, 17: 0, 9: 2, 29: 2}
+def _cut_clients(fleet: Fleet, front: str, prompts: List[str], cut: Dict[int, int]
+                 ) -> Tuple[List[str], int]:
+    """Stream every prompt through ``front`` (at most CONCURRENCY at once); the clients
+    in ``cut`` leave after that many chunks (0: before the first byte; they ask for 200
+    tokens, the others for 4). Returns the outcomes and how many requests the decode
+    servers finished (vLLM counts no abort in request_success) once every engine is
+    idle with a free pool."""
     time.sleep(2.0)  # the API servers' counters of the previous test's last requests settle
     finished = {n: fleet.counter(n, "vllm:request_success_total", finished_reason="length")
                 for n in ("D1", "D2")}
-    disconnects = fleet.counter("proxy", "kvops_proxy_client_disconnects_total")
+    url = f"{fleet.url(front)}/v1/completions"
 
     async def run() -> List[str]:
         sem = asyncio.Semaphore(CONCURRENCY)
@@ -296,8 +299,7 @@ def test_client_disconnects_abort_on_prefill_and_decode(fleet):
                             "max_tokens": 200 if i in cut else 4}
                     if cut.get(i) == 0:
                         # give the request time to reach P and D before it is dropped
-                        task = asyncio.ensure_future(_stream(session, f"{fleet.url('proxy')}/v1/completions",
-                                                             body, -1))
+                        task = asyncio.ensure_future(_stream(session, url, body, -1))
                         await asyncio.sleep(0.3)
                         task.cancel()
                         try:
@@ -305,19 +307,41 @@ def test_client_disconnects_abort_on_prefill_and_decode(fleet):
                         except asyncio.CancelledError:
                             return "disconnected"
                         return "done"
-                    return await _stream(session, f"{fleet.url('proxy')}/v1/completions", body,
-                                         cut.get(i, -1))
+                    return await _stream(session, url, body, cut.get(i, -1))
             return await asyncio.gather(*(one(i) for i in range(len(prompts))))
 
     outcomes = asyncio.run(run())
-    assert outcomes.count("done") == len(prompts) - len(cut)
-    # every engine ends idle with a free pool: the dropped requests were aborted, not
-    # left decoding 200 tokens or holding blocks
+    # every engine ends idle with a free pool: nothing left decoding or holding blocks
     fleet.wait_all_idle(LEASE_S + HOLD_S + 30)
     time.sleep(2.0)
-    # D finished exactly the requests whose clients stayed (vLLM counts no abort in
-    # request_success): the four cut ones were aborted before their 200 tokens
     done = sum(fleet.counter(n, "vllm:request_success_total", finished_reason="length") - v
                for n, v in finished.items())
+    return outcomes, done
+
+
+def test_client_disconnects_abort_on_prefill_and_decode(fleet):
+    import random
+
+    rng = random.Random(7)
+    prompts = [random_prompt(rng.randint(200, 1500), 1024, rng) for _ in range(40)]
+    # 10% of the clients: two before the first byte (P and D still working), two
+    # mid-stream (D decoding a long answer)
+    cut = {3: 0, 17: 0, 9: 2, 29: 2}
+    disconnects = fleet.counter("proxy", "kvops_proxy_client_disconnects_total")
+    outcomes, done = _cut_clients(fleet, "proxy", prompts, cut)
+    assert outcomes.count("done") == len(prompts) - len(cut)
+    # D finished exactly the requests whose clients stayed: the four cut ones were
+    # aborted before their 200 tokens
     assert done == len(prompts) - len(cut), done
     assert fleet.counter("proxy", "kvops_proxy_client_disconnects_total") - disconnects == len(cut)
+
+
+def test_negative_control_a_proxy_that_aborts_nothing_lets_decode_finish_cut_requests(fleet):
+    """The check above fails when the client's leaving aborts nothing upstream."""
+    import random
+
+    rng = random.Random(8)
+    prompts = [random_prompt(rng.randint(200, 600), 1024, rng) for _ in range(4)]
+    outcomes, done = _cut_clients(fleet, "proxy-noabort", prompts, {1: 2, 3: 2})
+    assert outcomes.count("disconnected") == 2
+    assert done == len(prompts), done  # the two cut requests decoded their 200 tokens

@@ -1,11 +1,37 @@
 """Free local ports for the servers and front ends the harness starts."""
 from __future__ import annotations
 
+import random
 import socket
+
+_FIRST = 20000  # below: well-known and registered services, ports engines pick (vLLM kv_port 14579)
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out for port 0 (Linux: ip_local_port_range)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now (another process may take it before it is bound)."""
-    with socket.socket() as s:
+    """A port free on ``host`` now, below the kernel's ephemeral range: a port picked
+    here is bound later by the server it is for, and a port from the ephemeral range
+    may meanwhile be handed to any process binding port 0 (seen: a vLLM engine's
+    bootstrap endpoint failing with "Address already in use" as its fleet started).
+    Another explicit bind can still take it."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(_FIRST, low) if low > _FIRST + 1000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    with socket.socket() as s:  # every try taken: let the kernel choose
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -56,7 +56,8 @@ class Proxy:
 
     def __init__(self, prefill: List[Instance], decode: List[Instance], *, order: str = "d-first",
                  timeout: float = 600.0, connect_timeout: float = 5.0, retries: int = 2,
-                 down_s: float = 5.0, send_decode_params: bool = True) -> None:
+                 down_s: float = 5.0, send_decode_params: bool = True,
+                 abort_on_disconnect: bool = True) -> None:
         if order not in ORDERS:
             raise ValueError(f"order {order!r} is not one of {ORDERS}")
         if any(p.side_channel is None for p in prefill):
@@ -68,6 +69,9 @@ class Proxy:
         self.retries = retries
         # False only for the negative control: D then computes the whole prompt itself
         self.send_decode_params = send_decode_params
+        # False only for the negative control: a client's leaving then aborts nothing
+        # (P and D compute the request to its end)
+        self.abort_on_disconnect = abort_on_disconnect
         self.counters = {"requests": 0, "retries": 0, "failed": 0, "client_disconnects": 0,
                          "prefill_errors_after_answer": 0}
         self.session: Optional[aiohttp.ClientSession] = None
@@ -222,6 +226,8 @@ class Proxy:
                     prefill_task: "asyncio.Future", tid: str) -> web.StreamResponse:
         """D's answer to the client as it comes. P's answer is checked when it is in
         (often after D's last byte): the client's leaving then no longer aborts P."""
+        # the negative control's proxy goes on reading D when the client has left
+        client_gone = () if self.abort_on_disconnect else (ConnectionError, OSError)
         try:
             out = web.StreamResponse(status=resp.status,
                                      headers={"Content-Type": resp.headers.get("Content-Type",
@@ -232,6 +238,10 @@ class Proxy:
             async for chunk in resp.content.iter_any():
                 await out.write(chunk)
             await out.write_eof()
+        except client_gone:
+            async for _ in resp.content.iter_any():  # the negative control: D runs to its end
+                pass
+            await asyncio.gather(prefill_task, return_exceptions=True)
         except BaseException:
             prefill_task.cancel()  # closing P's connection aborts its request
             await asyncio.gather(prefill_task, return_exceptions=True)
@@ -299,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-decode-params", action="store_true",
                     help="negative control for tests: send D no kv_transfer_params (D computes "
                          "the whole prompt; P still prefills)")
+    ap.add_argument("--no-abort-on-disconnect", action="store_true",
+                    help="negative control for tests: a client's disconnect aborts nothing "
+                         "(P and D compute the request to its end)")
     return ap
 
 
@@ -306,10 +319,11 @@ async def serve(args: argparse.Namespace) -> None:
     proxy = Proxy(parse_instances(args.prefill, args.prefill_side_channel),
                   parse_instances(args.decode), order=args.order, timeout=args.timeout,
                   connect_timeout=args.connect_timeout, retries=args.retries, down_s=args.down_s,
-                  send_decode_params=not args.no_decode_params)
+                  send_decode_params=not args.no_decode_params,
+                  abort_on_disconnect=not args.no_abort_on_disconnect)
     # handler_cancellation: a client's disconnect cancels its handler, which closes the
     # upstream connections (vLLM then aborts the request on P and D)
-    runner = web.AppRunner(proxy.app(), handler_cancellation=True)
+    runner = web.AppRunner(proxy.app(), handler_cancellation=proxy.abort_on_disconnect)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()

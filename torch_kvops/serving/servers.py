@@ -49,6 +49,8 @@ __all__ = ["CONNECTOR", "REAPER", "ROLES", "ProxySpec", "ReplicaRouterSpec", "Ro
 
 ROLES = ("prefill", "decode", "monolithic")
 REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
+SHM_SPIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shm_spin")
+SHM_BUSY_LOOP_VARIABLE = "VLLM_SHM_BROADCAST_BUSY_LOOP_S"  # vllm-project/vllm#52814
 CONNECTOR = {"kv_connector": "KvopsLayerwiseConnector",
              "kv_connector_module_path": "torch_kvops.integrations.vllm"}
 BASE_ENV = {
@@ -108,6 +110,9 @@ class ServerSpec:
     env: Dict[str, str] = field(default_factory=dict)
     threads: Optional[int] = None
     grace_s: float = 15.0  # SIGTERM -> SIGKILL
+    # benchmark aid: vLLM's message-queue busy-spin after each step, seconds (vLLM: 1);
+    # shm_spin/sitecustomize.py applies it to vLLM versions that do not read it
+    shm_busy_loop_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -154,6 +159,9 @@ class ServerSpec:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
+        if self.shm_busy_loop_s is not None:
+            env[SHM_BUSY_LOOP_VARIABLE] = repr(float(self.shm_busy_loop_s))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (SHM_SPIN_DIR, env.get("PYTHONPATH")) if p)
         env.update(self.env)
         return env
 
