@@ -147,6 +147,30 @@ def _start_tree(reaper: bool) -> tuple:
     return harness, json.loads(line)
 
 
+def test_shm_busy_loop_setting_reaches_vllms_message_queue_readers_only_when_asked():
+    """ServerSpec(shm_busy_loop_s=...) (a benchmark aid) shortens the busy-spin of vLLM's
+    message-queue readers in the server's processes; without it vLLM's 1 s stands."""
+    probe = textwrap.dedent("""
+        import zmq
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+        ctx = zmq.Context()
+        reader = SpinCondition(True, ctx, "ipc:///tmp/kvops-spin-probe")
+        print(reader.busy_loop_s)
+        reader.local_notify_socket.close(0); reader.read_cancel_socket.close(0)
+        reader.write_cancel_socket.close(0); ctx.term()
+    """)
+    spec = ServerSpec("P", "/nonexistent", shm_busy_loop_s=0.002)
+
+    def busy_loop_s(env):
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return float(out.stdout.split()[-1])
+
+    assert busy_loop_s(spec.environment()) == 0.002
+    assert busy_loop_s(ServerSpec("P", "/nonexistent").environment()) == 1.0
+
+
 def test_reaper_ends_the_tree_when_the_harness_is_sigkilled_and_without_it_the_tree_survives():
     harness, pids = _start_tree(reaper=True)
     assert len(pids) >= 3, pids  # reaper, parent, grandchild
