@@ -114,6 +114,25 @@ def test_p_owes_a_transfer_from_its_post_until_its_last_chunk_is_handed_over(pro
     assert sched.request_finished(req)[0] is True
 
 
+def test_a_decode_block_named_again_ends_the_stale_push_not_the_new_one(producer):
+    """D reused block 22 (the request that had it ended on D) for a new request while
+    P still pushes the old one in chunks: P stops the stale push and the new one goes
+    out alone, so no step names a decode block twice (which would fail both)."""
+    sched = producer()
+    old = _Request("r", {"do_remote_decode": True, "transfer_id": "tr"}, prompt=100)
+    new = _Request("s", {"do_remote_decode": True, "transfer_id": "ts"}, prompt=100)
+    _post(sched.server, "tr", [20, 21, 22, 23])
+    sched.get_num_new_matched_tokens(old, 0)
+    assert _pushes(_step(sched, {"r": 40})) == [([10, 11], [20, 21], False, False)]
+    old.num_computed_tokens = 40
+    _post(sched.server, "ts", [22, 30, 31, 32])
+    sched.get_num_new_matched_tokens(new, 0)
+    pushes = _pushes(_step(sched, {"r": 60, "s": 100}))
+    assert pushes == [([14, 15, 16, 17], [22, 30, 31, 32], True, False)], pushes
+    assert sched.server.pending(["tr", "ts"]) == []
+    assert sched.connector_stats().data["failed_stale_destination"] == 1
+
+
 def test_a_request_aborted_before_admission_is_owed_no_more(producer):
     sched = producer()
     _post(sched.server, "t", [20, 21, 22, 23])

@@ -28,6 +28,11 @@ later; its pushes start again from D's first block with that recompute, so D end
 the KV of the pass that completed the prompt (every chunk pushed before the preemption
 had landed: a step's pushes end before the step does).
 
+A destination block is named by one unfinished push at a time: D reuses a block only
+after the request that had it ended on D, so when a new destination names a block an
+unfinished push still names, that push is stale (D refuses it anyway) and ends here,
+counted as ``stale_destination``; the step never names one decode block twice.
+
 D's lease: the side channel answers D's liveness questions (server.py) with the
 transfers P still owes, so D waits for a request queued or preempted here; the
 scheduler settles a transfer once its last chunk went to the workers or P gave it up.
@@ -92,6 +97,8 @@ class ProducerScheduler:
         self._release: List[str] = []  # holds given up, for the next step's workers
         self._releasing: Set[str] = set()  # ... until the workers reported them
         self._awaiting_free: Set[str] = set()  # finished, blocks held until the push ends
+        # (decode engine id, decode block) -> the unfinished bound push naming it
+        self._dst_owner: Dict[Tuple[str, int], _Push] = {}
         self.kv_cache_manager: Optional["KVCacheManager"] = None
         self.counts = SchedulerCounts()
 
@@ -136,6 +143,27 @@ class ProducerScheduler:
         log.debug("request %s: destination bound at %.4f", push.request.request_id, time.monotonic())
         push.dst_blocks, push.peers = dest["block_ids"], dest["peers"]
         push.start_token = push.pushed_tokens = int(dest["start_token"])
+        engine = str(push.peers[0].get("engine_id"))
+        for block in push.dst_blocks:
+            stale = self._dst_owner.get((engine, block))
+            if stale is not None and stale is not push:
+                log.warning("request %s (transfer %s): decode block %d now belongs to transfer %s: "
+                            "the decode side gave the request up; no more pushes",
+                            stale.request.request_id, stale.transfer_id, block, push.transfer_id)
+                self.counts.failure("stale_destination")
+                self._end_push(stale)
+            self._dst_owner[(engine, block)] = push
+
+    def _end_push(self, push: _Push) -> None:
+        """No more chunks of ``push`` will be planned: D's lease is renewed by the
+        pushes already handed over (or it is given up), and its blocks are free to name."""
+        push.done = True
+        self.server.settle(push.transfer_id)
+        if push.bound:
+            engine = str(push.peers[0].get("engine_id"))
+            for block in push.dst_blocks:
+                if self._dst_owner.get((engine, block)) is push:
+                    del self._dst_owner[(engine, block)]
 
     # ------------------------------------------------------------------ per step
 
@@ -177,13 +205,11 @@ class ProducerScheduler:
             log.error("request %s: decode side gave %d blocks, %d needed; not pushing",
                       req.request_id, len(push.dst_blocks), last)
             self.counts.failure("too_few_decode_blocks")
-            push.done = True
-            self.server.settle(push.transfer_id)
+            self._end_push(push)
             return
         push.pushed_tokens = end
-        push.done = end >= prompt
-        if push.done:  # D's lease is renewed by the pushes from here
-            self.server.settle(push.transfer_id)
+        if end >= prompt:
+            self._end_push(push)
         push.emitted = True
         base = push.start_token // self.block_size  # D's first block P fills
         meta.push.append(PushReq(req.request_id, push.transfer_id, push.peers, src[first:last],
@@ -239,7 +265,7 @@ class ProducerScheduler:
             return False, None
         answer = for_decode(push.transfer_id, self.server.address)  # for nixl-mode routers
         if push.emitted:
-            self.server.settle(push.transfer_id)  # done, or aborted before its last chunk
+            self._end_push(push)  # done, or aborted before its last chunk
             # The worker reports it in finished_sending once its last push returned.
             self._awaiting_free.add(req_id)
             return True, answer
@@ -253,7 +279,7 @@ class ProducerScheduler:
             self.counts.count("held_change", 1)
             self._expire_holds(push.held_since)  # the count bound, at once
             return True, answer
-        self.server.settle(push.transfer_id)
+        self._end_push(push)
         return False, answer
 
     def _settle_unadmitted(self, request: "Request") -> None:
