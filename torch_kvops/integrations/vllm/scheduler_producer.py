@@ -34,8 +34,9 @@ unfinished push still names, that push is stale (D refuses it anyway) and ends h
 counted as ``stale_destination``; the step never names one decode block twice.
 
 D's lease: the side channel answers D's liveness questions (server.py) with the
-transfers P still owes, so D waits for a request queued or preempted here; the
-scheduler settles a transfer once its last chunk went to the workers or P gave it up.
+transfers P still owes, so D waits for a request queued, preempted or still pushing
+here; the scheduler settles a transfer once the workers reported its pushes over
+(``finished_sending``) or P gave it up.
 """
 from __future__ import annotations
 
@@ -99,6 +100,7 @@ class ProducerScheduler:
         self._awaiting_free: Set[str] = set()  # finished, blocks held until the push ends
         # (decode engine id, decode block) -> the unfinished bound push naming it
         self._dst_owner: Dict[Tuple[str, int], _Push] = {}
+        self._settle_when_sent: Dict[str, str] = {}  # request id -> transfer id, pushed
         self.kv_cache_manager: Optional["KVCacheManager"] = None
         self.counts = SchedulerCounts()
 
@@ -155,10 +157,10 @@ class ProducerScheduler:
             self._dst_owner[(engine, block)] = push
 
     def _end_push(self, push: _Push) -> None:
-        """No more chunks of ``push`` will be planned: D's lease is renewed by the
-        pushes already handed over (or it is given up), and its blocks are free to name."""
+        """No more chunks of ``push`` will be planned: its decode blocks are free to be
+        named by another push. P still owes D the chunks handed over until the workers
+        report the request (``finished_sending``), when it is settled."""
         push.done = True
-        self.server.settle(push.transfer_id)
         if push.bound:
             engine = str(push.peers[0].get("engine_id"))
             for block in push.dst_blocks:
@@ -229,7 +231,9 @@ class ProducerScheduler:
             if push.emitted:
                 self.counts.count("holds_pushed")
                 self._awaiting_free.add(req_id)  # the workers report it once pushed
+                self._settle_when_sent[req_id] = push.transfer_id
             else:  # not pushable (too few decode blocks): free it through the workers
+                self.server.settle(push.transfer_id)
                 self._release.append(req_id)
                 self._releasing.add(req_id)
 
@@ -266,8 +270,10 @@ class ProducerScheduler:
         answer = for_decode(push.transfer_id, self.server.address)  # for nixl-mode routers
         if push.emitted:
             self._end_push(push)  # done, or aborted before its last chunk
-            # The worker reports it in finished_sending once its last push returned.
+            # The worker reports it in finished_sending once its last push returned;
+            # until then D's liveness questions hear that P still owes it.
             self._awaiting_free.add(req_id)
+            self._settle_when_sent[req_id] = push.transfer_id
             return True, answer
         prefilled = request.num_computed_tokens >= request.num_prompt_tokens
         if (self.settings.late_binding and not push.bound and not push.done and prefilled
@@ -280,6 +286,7 @@ class ProducerScheduler:
             self._expire_holds(push.held_since)  # the count bound, at once
             return True, answer
         self._end_push(push)
+        self.server.settle(push.transfer_id)  # never pushed: nothing more will be
         return False, answer
 
     def _settle_unadmitted(self, request: "Request") -> None:
@@ -296,6 +303,10 @@ class ProducerScheduler:
         sending = set(output.finished_sending or ())
         self._awaiting_free -= sending
         self._releasing -= sending
+        for req_id in sending:
+            tid = self._settle_when_sent.pop(req_id, None)
+            if tid is not None:
+                self.server.settle(tid)
 
     def has_pending_push_work(self) -> bool:
         return bool(self._awaiting_free or self._held or self._releasing)

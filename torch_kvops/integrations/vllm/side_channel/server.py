@@ -9,10 +9,10 @@ never is), and the table holds at most ``capacity`` destinations for ``ttl_s``.
 
 Liveness: D asks ``{"op": "pending", "transfer_ids": [...]}`` every third of its lease
 and renews the leases of the transfers P answers it still owes: a destination not yet
-taken (the request waits in P's queue) or taken and not settled (P is prefilling it;
-its pushes renew the lease too once they begin). A transfer P settled (its last chunk
-handed to the workers, or given up on) is never pending again, and a post for it is
-refused (``settled``), so D recomputes at once instead of waiting for its lease.
+taken (the request waits in P's queue) or taken and not settled (P is prefilling it
+or its pushes are under way). A transfer P settled (its pushes over, or given up on) is
+never pending again, and a post for it is refused (``settled``), so D recomputes at
+once instead of waiting for its lease.
 
 Every refusal is counted by cause (:meth:`DestinationServer.counters`).
 """
@@ -114,9 +114,9 @@ class DestinationServer:
         return None if entry is None else entry[1]
 
     def settle(self, transfer_id: str) -> None:
-        """The scheduler owes ``transfer_id`` nothing more: its last chunk went to the
-        workers (their pushes renew D's lease from there), or P gave it up. It is not
-        pending any more, and a (late) post for it is refused."""
+        """The scheduler owes ``transfer_id`` nothing more: the workers reported its
+        pushes over, or P gave it up. It is not pending any more, and a (late) post for
+        it is refused."""
         with self._lock:
             self._dests.pop(transfer_id, None)
             self._active.pop(transfer_id, None)
