@@ -12,7 +12,9 @@ by vLLM's own benchmark client (`vllm bench serve`, torch_kvops.serving.load).
   request (D's `vllm:prompt_tokens_by_source{source="local_compute"}`); the negative
   control sends D no transfer parameters and sees D compute the prompts.
 - Faults under load: SIGKILL of a P (answered or failed within the lease, traffic moves
-  to the other P, the restarted P takes traffic again), SIGKILL of a D (P releases every
+  to the other P, the restarted P takes traffic again; the negative control, a proxy
+  that neither retries nor avoids the dead P, fails more than the in-flight requests),
+  SIGKILL of a D (P releases every
   block it held), clients that disconnect (P and D abort them; the negative control, a
   proxy that aborts nothing upstream, sees D finish the cut requests).
 - After every test all block pools are free and nothing runs (vLLM's /metrics).
@@ -118,6 +120,9 @@ def fleet():
                               extra_args=["--down-s", "3", "--retries", "3"]))
         servers.add(ProxySpec("proxy-nokv", prefill, decode, order="concurrent",
                               extra_args=["--no-decode-params"]))
+        # negative control for the SIGKILL of a P: no retry, a failed P is not avoided
+        servers.add(ProxySpec("proxy-noretry", prefill, decode, order="concurrent",
+                              extra_args=["--retries", "0", "--down-s", "0"]))
         # negative control for the disconnect test: a client's leaving aborts nothing
         servers.add(ProxySpec("proxy-noabort", prefill, decode, order="concurrent",
                               extra_args=["--no-abort-on-disconnect"]))
@@ -208,38 +213,36 @@ def test_negative_control_without_transfer_decode_computes_the_prompts(fleet):
     fleet.wait_all_idle(HOLD_S + 30)  # P held the blocks of 8 destinations that never came
 
 
-def _load_and_kill(fleet: Fleet, victim: str, **phase) -> dict:
-    """Run ``phase`` through the proxy, SIGKILL ``victim`` once it finished 3 requests,
-    and return the load's result after checking what every fault test requires:
-    answers that came back equal the reference, and at most the in-flight requests
-    failed."""
+def _load_and_kill(fleet: Fleet, victim: str, front: str = "proxy", **phase) -> Tuple[dict, List[int]]:
+    """Run ``phase`` through ``front``, SIGKILL ``victim`` once it finished 3 requests;
+    return the load's result and the indices of the failed requests, after checking
+    that every answer that came back equals the reference."""
     import concurrent.futures
 
     ref = fleet.reference(**phase)
     base = fleet.counter(victim, "vllm:request_success_total")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        future = pool.submit(fleet.load, "proxy", **phase)
+        future = pool.submit(fleet.load, front, **phase)
         deadline = time.monotonic() + 120
         while fleet.counter(victim, "vllm:request_success_total") - base < 3:
             if time.monotonic() > deadline:
                 raise AssertionError(
-                    f"{victim} finished fewer than 3 requests in 120 s; proxy: "
-                    f"{prometheus.find(fleet.servers['proxy'].metrics(), 'kvops_proxy')}")
+                    f"{victim} finished fewer than 3 requests in 120 s; {front}: "
+                    f"{prometheus.find(fleet.servers[front].metrics(), 'kvops_proxy')}")
             time.sleep(0.2)
         fleet.servers.kill(victim)
         got = future.result(timeout=600)
     wrong = [i for i in _same_answers(got, ref) if not got["errors"][i]]
     assert not wrong, f"answers differ from the reference: {wrong}"
-    failed = [i for i, e in enumerate(got["errors"]) if e]
-    # an in-flight request is answered (retried, or recomputed by D when its lease ends)
-    # or fails
-    assert len(failed) <= CONCURRENCY, f"{len(failed)} requests failed: {got['errors']}"
-    return got
+    return got, [i for i, e in enumerate(got["errors"]) if e]
 
 
 def test_sigkill_prefill_under_load(fleet):
     p2_before = fleet.counter("P2", "vllm:request_success_total")
-    got = _load_and_kill(fleet, "P1", **FAULT_LOAD)
+    got, failed = _load_and_kill(fleet, "P1", **FAULT_LOAD)
+    # an in-flight request is answered (retried, or recomputed by D when its lease
+    # ends) or fails; the later ones go to the other P
+    assert len(failed) <= CONCURRENCY, f"{len(failed)} requests failed: {got['errors']}"
     assert max(got["latencies"]) < LEASE_S + 30, max(got["latencies"])  # none hangs
     assert fleet.counter("P2", "vllm:request_success_total") - p2_before > FAULT_LOAD["num_prompts"] / 2
     # the killed P restarts and takes traffic again
@@ -252,8 +255,17 @@ def test_sigkill_prefill_under_load(fleet):
     fleet.wait_all_idle(LEASE_S + HOLD_S + 30)
 
 
+def test_negative_control_sigkill_prefill_behind_a_proxy_that_neither_retries_nor_avoids(fleet):
+    """The bound above fails when the front end keeps choosing the dead P."""
+    got, failed = _load_and_kill(fleet, "P2", front="proxy-noretry", **FAULT_LOAD)
+    assert len(failed) > CONCURRENCY, f"only {len(failed)} requests failed"
+    fleet.servers.restart("P2")
+    fleet.wait_all_idle(LEASE_S + HOLD_S + 30)
+
+
 def test_sigkill_decode_under_load_frees_prefill_blocks(fleet):
-    got = _load_and_kill(fleet, "D1", **FAULT_LOAD)
+    got, failed = _load_and_kill(fleet, "D1", **FAULT_LOAD)
+    assert len(failed) <= CONCURRENCY, f"{len(failed)} requests failed: {got['errors']}"
     assert max(got["latencies"]) < LEASE_S + 30, max(got["latencies"])
     # P releases every block it held or pushed for D1's requests (push failures and
     # holds end within their bounds)
