@@ -258,6 +258,8 @@ def test_sigkill_prefill_under_load(fleet):
 def test_negative_control_sigkill_prefill_behind_a_proxy_that_neither_retries_nor_avoids(fleet):
     """The bound above fails when the front end keeps choosing the dead P."""
     got, failed = _load_and_kill(fleet, "P2", front="proxy-noretry", **FAULT_LOAD)
+    print(f"\n[negative control] P2 killed behind a proxy without retries: {len(failed)} of "
+          f"{FAULT_LOAD['num_prompts']} requests failed")
     assert len(failed) > CONCURRENCY, f"only {len(failed)} requests failed"
     fleet.servers.restart("P2")
     fleet.wait_all_idle(LEASE_S + HOLD_S + 30)
