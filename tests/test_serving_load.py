@@ -277,15 +277,19 @@ def test_sigkill_decode_under_load_frees_prefill_blocks(fleet):
 
 async def _stream(session: aiohttp.ClientSession, url: str, body: dict, disconnect_after: int) -> str:
     """Stream one completion; with ``disconnect_after`` >= 0 close the connection after
-    that many chunks (0: before the first byte)."""
+    that many chunks (0: before the first byte). ``resp.close()`` shuts the socket at
+    once: a response left to the context manager could be read to its end into the
+    client's buffer (seen once: a cut request streamed all 200 tokens)."""
     async with session.post(url, json=body) as resp:
         assert resp.status == 200, await resp.text()
         chunks = 0
         if disconnect_after == 0:
+            resp.close()
             return "disconnected"
         async for _ in resp.content.iter_any():
             chunks += 1
             if chunks == disconnect_after:
+                resp.close()
                 return "disconnected"
     return "done"
 
@@ -305,7 +309,9 @@ def _cut_clients(fleet: Fleet, front: str, prompts: List[str], cut: Dict[int, in
     async def run() -> List[str]:
         sem = asyncio.Semaphore(CONCURRENCY)
         timeout = aiohttp.ClientTimeout(total=300)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        # force_close: no connection is kept for reuse, so a cut client's socket closes
+        async with aiohttp.ClientSession(timeout=timeout,
+                                         connector=aiohttp.TCPConnector(force_close=True)) as session:
             async def one(i: int) -> str:
                 async with sem:
                     body = {"model": fleet.model, "prompt": prompts[i], "stream": True,

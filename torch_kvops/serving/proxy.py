@@ -236,6 +236,9 @@ class Proxy:
             if first:
                 await out.write(first)
             async for chunk in resp.content.iter_any():
+                if request.transport is None or request.transport.is_closing():
+                    # the client left and the handler was not cancelled (yet)
+                    raise ConnectionResetError("the client closed its connection")
                 await out.write(chunk)
             await out.write_eof()
         except client_gone:
