@@ -15,10 +15,19 @@ if TYPE_CHECKING:
     from .servers import Server
 
 
+@dataclass
 class _Launched:
-    """What every front end shares: started with the harness's environment plus ``env``."""
+    """What every front end shares: where it listens (``port`` 0: a free one at start),
+    extra command-line arguments, its environment (the harness's plus ``env``), the
+    SIGTERM -> SIGKILL grace, and its start order (after the servers it fronts).
+    Keyword-only, so each front end's own fields come first."""
 
-    env: Dict[str, str]
+    port: int = field(default=0, kw_only=True)
+    host: str = field(default="127.0.0.1", kw_only=True)
+    extra_args: List[str] = field(default_factory=list, kw_only=True)
+    env: Dict[str, str] = field(default_factory=dict, kw_only=True)
+    grace_s: float = field(default=5.0, kw_only=True)
+    role: str = field(default="proxy", kw_only=True)
 
     def environment(self) -> Dict[str, str]:
         return dict(os.environ, **self.env)
@@ -35,13 +44,7 @@ class ProxySpec(_Launched):
     prefill: List["Server"]
     decode: List["Server"]
     order: str = "d-first"
-    port: int = 0
-    host: str = "127.0.0.1"
     timeout_s: float = 600.0
-    extra_args: List[str] = field(default_factory=list)
-    env: Dict[str, str] = field(default_factory=dict)
-    grace_s: float = 5.0
-    role: str = "proxy"
 
     def command(self) -> List[str]:
         return [sys.executable, "-m", "torch_kvops.serving.proxy", "--host", self.host,
@@ -72,12 +75,6 @@ class RouterSpec(_Launched):
     decode: List["Server"]
     kv_connector: str = "mooncake"
     policy: str = "round_robin"
-    port: int = 0
-    host: str = "127.0.0.1"
-    extra_args: List[str] = field(default_factory=list)
-    env: Dict[str, str] = field(default_factory=dict)
-    grace_s: float = 5.0
-    role: str = "proxy"  # started after the servers it fronts
 
     def command(self) -> List[str]:
         cmd = _router_command(self.host, self.port, self.policy, "--vllm-pd-disaggregation",
@@ -98,12 +95,6 @@ class ReplicaRouterSpec(_Launched):
     name: str
     workers: List["Server"]
     policy: str = "round_robin"
-    port: int = 0
-    host: str = "127.0.0.1"
-    extra_args: List[str] = field(default_factory=list)
-    env: Dict[str, str] = field(default_factory=dict)
-    grace_s: float = 5.0
-    role: str = "proxy"  # started after the servers it fronts
 
     def command(self) -> List[str]:
         return _router_command(self.host, self.port, self.policy, "--worker-urls",
