@@ -17,6 +17,7 @@ from .metadata import KvopsConnectorMetadata, KvopsSettings, RecvReq
 from .metrics import KvopsConnectorStats, SchedulerCounts
 from .params import BadTransferParams, DecodeParams, decode_params
 from .side_channel.engine import SideChannelCounts, start_poster
+from .side_channel.server import MAX_PROBED
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -156,7 +157,7 @@ class ConsumerScheduler:
         for tid, (_, producer) in self._owed.items():
             by_producer.setdefault(producer, []).append(tid)
         for producer, tids in by_producer.items():
-            self.poster.probe(producer, tids)
+            self.poster.probe(producer, tids[:MAX_PROBED])  # P refuses a longer question
 
     def request_finished(self, request: "Request") -> Tuple[bool, Optional[Dict[str, Any]]]:
         req_id = request.request_id

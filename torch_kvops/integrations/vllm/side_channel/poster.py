@@ -71,6 +71,15 @@ def _read_line(sock: socket.socket, limit: int, deadline: float) -> bytes:
     return bytes(data)
 
 
+def _call_back(callback: Callable, key: str, value) -> None:
+    """Run the scheduler's callback on a worker thread: an error is logged, and the
+    worker lives on."""
+    try:
+        callback(key, value)
+    except Exception:
+        log.exception("%s(%s) raised", getattr(callback, "__name__", "callback"), key)
+
+
 class _Refused(Exception):
     """P answered, and not with a yes: retrying the same message will not help."""
 
@@ -188,10 +197,7 @@ class DestinationPoster:
             self._counts[outcome] += 1
 
     def _report(self, tid: str, answer: Optional[dict]) -> None:
-        try:
-            self._on_result(tid, answer)
-        except Exception:  # the scheduler's callback: log it, keep the worker
-            log.exception("on_result(%s) raised", tid)
+        _call_back(self._on_result, tid, answer)
 
     # ------------------------------------------------------------------ worker threads
 
@@ -247,10 +253,7 @@ class DestinationPoster:
             peer.probing = False
         self._count("probed" if pending is not None else "probe_failed")
         if self._on_pending is not None:
-            try:
-                self._on_pending(peer.address, pending)
-            except Exception:  # the scheduler's callback: log it, keep the worker
-                log.exception("on_pending(%s) raised", peer.address)
+            _call_back(self._on_pending, peer.address, pending)
 
     def _deliver(self, peer: _Peer, message: dict) -> dict:
         last: Optional[BaseException] = None
