@@ -148,14 +148,14 @@ def test_a_dead_prefill_delays_only_its_own_destinations():
 
 
 class Pending:
-    """on_pending recorder: (address, pending transfer ids or None)."""
+    """on_pending recorder: (address, pending transfer ids or None, silent)."""
 
     def __init__(self):
         self.items, self._lock = [], threading.Lock()
 
-    def __call__(self, address, pending):
+    def __call__(self, address, pending, silent):
         with self._lock:
-            self.items.append((address, pending))
+            self.items.append((address, pending, silent))
 
     def next(self, timeout=10.0):
         deadline = time.monotonic() + timeout
@@ -183,20 +183,25 @@ def test_prefill_answers_which_transfers_it_still_owes_and_refuses_settled_ones(
         assert server.take("prefilling") is not None and server.take("done") is not None
         server.settle("done")
         assert poster.probe(server.address, ["queued", "prefilling", "done", "never"])
-        assert pending.next() == (server.address, ["queued", "prefilling"])
+        assert pending.next() == (server.address, ["queued", "prefilling"], False)
         results.items.clear()
         answer, _ = post_latency(poster, server.address, results, "done")
         assert answer is None  # refused: settled
         server.settle("prefilling")
         server.settle("queued")  # given up before it was taken (e.g. no late binding)
         assert poster.probe(server.address, ["queued", "prefilling"])
-        assert pending.next() == (server.address, [])
+        assert pending.next() == (server.address, [], False)
         assert poster.probe(dead, ["x"])
         assert not poster.probe(dead, ["x"])  # one question at a time per P
-        assert pending.next(5.0) == (dead, None)  # no answer: nothing renewed
+        assert pending.next(5.0) == (dead, None, True)  # no answer in time: a silence
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            gone = f"127.0.0.1:{s.getsockname()[1]}"
+        assert poster.probe(gone, ["x"])
+        assert pending.next(5.0) == (gone, None, False)  # refused: P is gone
         assert server.counters()["settled"] == 1 and server.counters()["probes"] == 2
         counts = poster.counters()
-        assert counts["probed"] == 2 and counts["probe_failed"] == 1, counts
+        assert counts["probed"] == 2 and counts["probe_failed"] == 2, counts
         assert poster.failures == 1  # the refused post; liveness questions are not posts
     finally:
         poster.close()

@@ -267,7 +267,7 @@ def test_decode_scheduler_claims_the_prompt_posts_its_blocks_and_counts_local_to
 
 
 def test_decode_scheduler_renews_what_p_still_owes_until_its_request_is_aborted():
-    """D asks P which transfers it still owes (every lease_s/3) and hands the workers
+    """D asks P which transfers it still owes (every lease_s/6) and hands the workers
     those requests to renew; an aborted request is never renewed again (its lease then
     frees its blocks), and a transfer P settled is not renewed."""
     from torch_kvops.integrations.vllm.metadata import KvopsConnectorMetadata
@@ -303,3 +303,72 @@ def test_decode_scheduler_renews_what_p_still_owes_until_its_request_is_aborted(
     finally:
         sched.shutdown()
         server.close()
+
+
+def _posted_and_owed(server_address, lease_s):
+    """A decode scheduler with one request ("r", transfer "tr") P accepted, and no
+    liveness question asked yet."""
+    from torch_kvops.integrations.vllm.scheduler import ConsumerScheduler
+
+    sched = ConsumerScheduler(KvopsSettings(connector={"lease_s": lease_s}, post_timeout_s=0.1),
+                              block_size=32)
+    sched.peers = [{"engine_id": "d0"}]
+    sched.kv_cache_manager = _Blocks({"r": [7, 8, 9, 3]})
+    req = _Request("r", {"do_remote_prefill": True, "transfer_id": "tr",
+                         "kvops_producer": server_address}, prompt=100)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, None, 100)
+    deadline = time.monotonic() + 5
+    while sched.poster.counters()["posted"] < 1:
+        assert time.monotonic() < deadline, "P did not accept the destination"
+        time.sleep(0.005)
+    return sched
+
+
+def _renewals(sched, seconds):
+    """(monotonic time, request id) of every renewal D's scheduler hands its workers."""
+    from torch_kvops.integrations.vllm.metadata import KvopsConnectorMetadata
+
+    got, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        meta = KvopsConnectorMetadata()
+        sched.build_connector_meta(_Out({}), meta)
+        got += [(time.monotonic(), rid) for rid in meta.renew]
+        time.sleep(0.01)
+    return got
+
+
+def test_a_silent_prefill_side_renews_for_one_lease_after_its_last_answer_a_gone_one_never():
+    """A liveness question that times out is a silence (a live P on a loaded host
+    answers late): what P owed is renewed while P answered within the last lease, and
+    no longer. A P whose port refuses the connection renews nothing, at once."""
+    lease_s = 0.6
+    server = DestinationServer("127.0.0.1", 0, facts={"prefill_tp": 1})
+    host, port = server.address.rsplit(":", 1)
+    sched = _posted_and_owed(server.address, lease_s)
+    try:
+        answered = time.monotonic()  # P's acceptance of the post, its last answer
+        server.close()
+        # the same address now accepts connections and never answers: a stalled P
+        silent = socket.socket()
+        silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        silent.bind((host, int(port)))
+        silent.listen(64)
+        try:
+            got = _renewals(sched, 2.0)
+        finally:
+            silent.close()
+        assert {rid for _, rid in got} == {"r"}, got
+        assert all(at < answered + lease_s + 0.3 for at, _ in got), (answered, got)
+        assert sched.poster.counters()["probe_failed"] >= 4  # it was asked on, silent
+    finally:
+        sched.shutdown()
+
+    server = DestinationServer("127.0.0.1", 0, facts={"prefill_tp": 1})
+    sched = _posted_and_owed(server.address, lease_s)
+    try:
+        server.close()  # P is gone: its port refuses every question
+        assert _renewals(sched, 0.5) == []
+        assert sched.poster.counters()["probe_failed"] >= 2
+    finally:
+        sched.shutdown()

@@ -197,7 +197,7 @@ def _d_first_with_p_late_by_more_than_the_lease(pd) -> str:
 
 
 def test_decode_waits_past_its_lease_for_a_transfer_p_still_owes(pd):
-    """D asks P every third of its lease which transfers it still owes and renews
+    """D asks P every sixth of its lease which transfers it still owes and renews
     those leases: P's KV arrives although it began after the lease's term."""
     renewals = pd.d.metrics().get("vllm:kvops_lease_renewals", 0)
     got = pd.outcome(_d_first_with_p_late_by_more_than_the_lease(pd))

@@ -2,10 +2,14 @@
 hit, allocates its blocks and posts them (the destination) to the request's prefill
 engine through the side channel; reports how many prompt tokens D computed itself.
 
-Liveness: every third of the lease, D asks each prefill engine it waits for which of
+Liveness: every sixth of the lease, D asks each prefill engine it waits for which of
 its transfers it still owes (side_channel/server.py) and has the workers renew the
 leases of those, so a request queued on a busy P is not given up on while P lives;
-the connector's ``max_wait_s`` bounds the renewals."""
+the connector's ``max_wait_s`` bounds the renewals. A question that times out is a
+silence, not a death: on an overloaded host a live P can be seconds late. While P
+answered within the last lease, a silence renews what P last said it owed; a P silent
+for a whole lease, or one that refuses the connection, renews nothing, and its
+transfers end on their own term."""
 from __future__ import annotations
 
 import logging
@@ -34,11 +38,16 @@ class ConsumerScheduler:
 
     def __init__(self, settings: KvopsSettings, block_size: int) -> None:
         self.settings, self.block_size = settings, block_size
-        self.poster = start_poster(settings, self._posted, self._pending)
+        self._lease_s = settings.connector_config().lease_s
+        self._probe_every_s = self._lease_s / 6
+        # one question per P at a time, so its timeout is also the longest gap between two
+        self.poster = start_poster(settings, self._posted, self._pending,
+                                   probe_timeout_s=max(settings.post_timeout_s, self._probe_every_s))
         # transfer id -> (request id, P's address) while P owes its push: asked about
         self._owed: Dict[str, Tuple[str, str]] = {}
-        self._pending_answers: "deque[List[str]]" = deque()  # from the poster threads
-        self._probe_every_s = settings.connector_config().lease_s / 3
+        # (address, what it owes or None, silent) from the poster threads
+        self._pending_answers: "deque[Tuple[str, Optional[List[str]], bool]]" = deque()
+        self._answered_at: Dict[str, float] = {}  # P's address -> its last answer (monotonic)
         self._next_probe = 0.0
         self._side_counts = SideChannelCounts()
         self.peers: Optional[List[dict]] = None  # per-rank peer_info, from the workers' handshakes
@@ -119,10 +128,10 @@ class ConsumerScheduler:
                 log.error("transfer %s: prefill side answered a bad prefill_tp: %r", tid, answer)
         self._answers.append((tid, prefill_tp))
 
-    def _pending(self, address: str, pending: Optional[List[str]]) -> None:
-        """Poster thread: the transfers ``address`` still owes (None: no answer)."""
-        if pending:
-            self._pending_answers.append(pending)
+    def _pending(self, address: str, pending: Optional[List[str]], silent: bool) -> None:
+        """Poster thread: the transfers ``address`` still owes (None: no answer;
+        ``silent``: the question timed out)."""
+        self._pending_answers.append((address, pending, silent))
 
     def build_connector_meta(self, out: "SchedulerOutput", meta: KvopsConnectorMetadata) -> None:
         while self._answers:
@@ -130,8 +139,9 @@ class ConsumerScheduler:
             posted = self._posting.pop(tid, None)
             if posted is not None:
                 self._new.append(RecvReq(posted[0], tid, prefill_tp, posted[1]))
-                if prefill_tp > 0:
+                if prefill_tp > 0:  # P accepted it: an answer, and a push owed
                     self._owed[tid] = (posted[0], posted[2])
+                    self._answered_at[posted[2]] = time.monotonic()
         meta.recv, self._new = self._new, []
         self._renew_owed(meta)
         for req_id, num_tokens in out.num_scheduled_tokens.items():
@@ -142,20 +152,28 @@ class ConsumerScheduler:
                 self._local_prompt[req_id] = (req, computed + prompt_part)
 
     def _renew_owed(self, meta: KvopsConnectorMetadata) -> None:
-        """Hand the workers the requests whose P answered it still owes their push,
-        and ask again when a third of the lease has passed."""
+        """Hand the workers the requests whose P answered it still owes their push (or
+        was silent, but answered within the last lease), and ask again when a sixth of
+        the lease has passed."""
+        now = time.monotonic()
         while self._pending_answers:
-            for tid in self._pending_answers.popleft():
+            address, pending, silent = self._pending_answers.popleft()
+            if pending is not None:
+                self._answered_at[address] = now
+            elif silent and now - self._answered_at.get(address, -self._lease_s) < self._lease_s:
+                pending = [tid for tid, (_, producer) in self._owed.items() if producer == address]
+            for tid in pending or ():
                 owed = self._owed.get(tid)
                 if owed is not None:
                     meta.renew.append(owed[0])
-        now = time.monotonic()
         if not self._owed or now < self._next_probe:
             return
         self._next_probe = now + self._probe_every_s
         by_producer: Dict[str, List[str]] = {}
         for tid, (_, producer) in self._owed.items():
             by_producer.setdefault(producer, []).append(tid)
+        for address in [a for a in self._answered_at if a not in by_producer]:
+            del self._answered_at[address]  # owed nothing: forgotten, so the table stays small
         for producer, tids in by_producer.items():
             self.poster.probe(producer, tids[:MAX_PROBED])  # P refuses a longer question
 

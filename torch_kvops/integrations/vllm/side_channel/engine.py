@@ -54,8 +54,8 @@ def start_prefill_endpoints(settings: "KvopsSettings", tp_size: int, engine_id: 
 
 
 def start_poster(settings: "KvopsSettings", on_result: Callable[[str, Optional[dict]], None],
-                 on_pending: Optional[Callable[[str, Optional[List[str]]], None]] = None
-                 ) -> DestinationPoster:
+                 on_pending: Optional[Callable[[str, Optional[List[str]], bool], None]] = None,
+                 probe_timeout_s: Optional[float] = None) -> DestinationPoster:
     """D: the poster, signing and TLS from the settings."""
     auth, tls = settings.side_channel_security()
     if auth is None:
@@ -63,7 +63,8 @@ def start_poster(settings: "KvopsSettings", on_result: Callable[[str, Optional[d
                              "peer_info, with the control channel's secret, crosses the side "
                              f"channel{'' if tls else ' in clear'}")
     return DestinationPoster(on_result, settings.post_timeout_s, settings.post_retries,
-                             auth=auth, tls=tls, on_pending=on_pending)
+                             auth=auth, tls=tls, on_pending=on_pending,
+                             probe_timeout_s=probe_timeout_s)
 
 
 class SideChannelCounts:

@@ -7,8 +7,10 @@ P delays only the destinations posted to it. A worker with nothing to do for
 one message is caught, logged and counted, and the worker goes on with the next.
 
 Liveness questions (:meth:`DestinationPoster.probe`) go through the same worker, after
-the posts queued before them, in one attempt: ``on_pending(address, pending)`` gets
-the transfer ids P still owes, or None if P did not answer.
+the posts queued before them, in one attempt of ``probe_timeout_s``:
+``on_pending(address, pending, silent)`` gets the transfer ids P still owes, or None if
+P did not answer; ``silent`` tells a question that timed out (P may only be slow, on a
+loaded host) from one refused or failed (P is gone, or not a kvops prefill side).
 
 Addresses: ``host:port`` (P's side channel) or ``http://host:port`` (P's bootstrap
 endpoint, vLLM's ``remote_bootstrap_addr``): the worker asks ``GET /query`` there for
@@ -71,11 +73,11 @@ def _read_line(sock: socket.socket, limit: int, deadline: float) -> bytes:
     return bytes(data)
 
 
-def _call_back(callback: Callable, key: str, value) -> None:
+def _call_back(callback: Callable, key: str, *values) -> None:
     """Run the scheduler's callback on a worker thread: an error is logged, and the
     worker lives on."""
     try:
-        callback(key, value)
+        callback(key, *values)
     except Exception:
         log.exception("%s(%s) raised", getattr(callback, "__name__", "callback"), key)
 
@@ -110,10 +112,12 @@ class DestinationPoster:
                  retries: int = 2, capacity: int = 1024, *, auth: Optional[FleetAuth] = None,
                  tls: Optional[TlsFiles] = None, max_peers: int = 256, idle_s: float = 60.0,
                  resolve_ttl_s: float = 30.0,
-                 on_pending: Optional[Callable[[str, Optional[List[str]]], None]] = None) -> None:
+                 on_pending: Optional[Callable[[str, Optional[List[str]], bool], None]] = None,
+                 probe_timeout_s: Optional[float] = None) -> None:
         self._on_result = on_result
         self._on_pending = on_pending
         self._timeout_s, self._retries = timeout_s, retries
+        self._probe_timeout_s = timeout_s if probe_timeout_s is None else probe_timeout_s
         self._capacity, self._max_peers, self._idle_s = capacity, max_peers, idle_s
         self._resolve_ttl_s = resolve_ttl_s
         self._auth = auth
@@ -233,17 +237,21 @@ class DestinationPoster:
             idle_since = time.monotonic()
 
     def _ask_pending(self, peer: _Peer, message: dict) -> None:
-        """One attempt: a P that does not answer at once renews nothing."""
-        pending = None
+        """One attempt; the scheduler decides what a silence means."""
+        pending, silent = None, False
         try:
             if not self._stop.is_set():
-                answer = self._post_once(*self._side_channel(peer), message)
+                answer = self._post_once(*self._side_channel(peer), message, self._probe_timeout_s)
                 got = answer.get("pending")
                 if isinstance(got, list) and all(isinstance(t, str) for t in got):
                     pending = got
                 else:
                     log.warning("prefill side at %s answered a liveness question without a list",
                                 peer.address)
+        except TimeoutError as exc:
+            silent = True
+            log.warning("prefill side at %s did not answer a liveness question in %.1f s: %s",
+                        peer.address, self._probe_timeout_s, exc)
         except (OSError, ConnectionError, TimeoutError, http.client.HTTPException, _Refused) as exc:
             peer.resolved = None
             log.warning("prefill side at %s did not answer a liveness question: %s", peer.address, exc)
@@ -253,7 +261,7 @@ class DestinationPoster:
             peer.probing = False
         self._count("probed" if pending is not None else "probe_failed")
         if self._on_pending is not None:
-            _call_back(self._on_pending, peer.address, pending)
+            _call_back(self._on_pending, peer.address, pending, silent)
 
     def _deliver(self, peer: _Peer, message: dict) -> dict:
         last: Optional[BaseException] = None
@@ -297,13 +305,15 @@ class DestinationPoster:
         peer.resolved = (side_host, side_port, time.monotonic() + self._resolve_ttl_s)
         return side_host, side_port
 
-    def _post_once(self, host: str, port: int, message: dict) -> dict:
-        deadline = time.monotonic() + self._timeout_s
+    def _post_once(self, host: str, port: int, message: dict,
+                   timeout_s: Optional[float] = None) -> dict:
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         if self._auth is not None:
             payload, nonce = self._auth.seal(message, "post")
         else:
             payload, nonce = json.dumps(message).encode() + b"\n", ""
-        with socket.create_connection((host, port), timeout=self._timeout_s) as raw:
+        with socket.create_connection((host, port), timeout=timeout_s) as raw:
             sock = raw
             if self._tls is not None:  # the handshake counts against the same deadline
                 raw.settimeout(max(0.001, deadline - time.monotonic()))

@@ -7,7 +7,7 @@ message is at most ``max_message_bytes``, at most ``max_connections`` are open (
 one beyond that closes the oldest, which a legitimate poster, done in milliseconds,
 never is), and the table holds at most ``capacity`` destinations for ``ttl_s``.
 
-Liveness: D asks ``{"op": "pending", "transfer_ids": [...]}`` every third of its lease
+Liveness: D asks ``{"op": "pending", "transfer_ids": [...]}`` every sixth of its lease
 and renews the leases of the transfers P answers it still owes: a destination not yet
 taken (the request waits in P's queue) or taken and not settled (P is prefilling it
 or its pushes are under way). A transfer P settled (its pushes over, or given up on) is
