@@ -279,6 +279,36 @@ def test_a_lease_nobody_renews_ends_at_its_term():
         proc.stop()
 
 
+def test_wait_for_finished_wakes_when_a_transfer_lands_and_not_without_one(consumer, producer):
+    """An idle engine waits in wait_for_finished instead of polling get_finished: each
+    side wakes when its transfer ends (not at its timeout), and returns at once when
+    nothing is in flight."""
+    conn, caches = producer
+    woke, waited = consumer.call("wait_for_finished", 2.0)
+    assert woke is False and waited < 0.1  # nothing expected: no wait
+    assert conn.wait_for_finished(2.0) is False  # nothing pushed: no wait
+
+    peer = conn.add_peer(consumer.info)
+    consumer.call("expect", ["a"])
+
+    def push_later():
+        time.sleep(0.3)
+        conn.start_step([TransferRequest("a", peer, [0, 1], [4, 5])])
+        forward(conn, caches, [0, 1], seed=3)
+    pusher = threading.Thread(target=push_later)
+    pusher.start()
+    try:
+        woke, waited = consumer.call("wait_for_finished", 10.0)
+    finally:
+        pusher.join()
+    assert woke is True and 0.25 < waited < 5.0, waited
+    assert consumer.call("drain") == (["a"], [])
+    started = time.monotonic()
+    assert conn.wait_for_finished(10.0) is True  # the push's acknowledgement
+    assert time.monotonic() - started < 5.0
+    assert conn.get_finished() == ({"a"}, set())
+
+
 class TinyModel(torch.nn.Module):
     """Each layer projects the hidden state into K/V, scatters it into its cache
     in place, and calls the connector hook."""

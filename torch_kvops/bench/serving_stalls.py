@@ -5,8 +5,9 @@ step) and shortened (``--short-spin-s``, default 2 ms; serving/shm_spin/).
 
     python -m torch_kvops.bench.serving_stalls [--reps 3] [--requests 16] [--out FILE]
 
-Two fleets (mono + P + D + proxy each), started once; every repetition loads every
-(fleet, server, concurrency) in turn with the same prompts (vLLM's random dataset,
+Two fleets (one per spin setting: mono, and a P + D + proxy per ``--idle-waits``
+setting of the connector's ``idle_step_wait_s``), started once; every repetition loads
+every (fleet, server, concurrency) in turn with the same prompts (vLLM's random dataset,
 200-1100 tokens, 6 output tokens: the issue's figure) through ``vllm bench serve``.
 Prints wall time and TTFT p50/max per point, and the medians' ratios P/D : mono per
 fleet. Each P/D point checks that D's KV came from P (D computed at most one prompt
@@ -29,13 +30,23 @@ from ..serving.servers import ProxySpec, Server, Servers, ServerSpec
 LOCAL = "vllm:prompt_tokens_by_source_total"
 
 
-def _fleet(servers: Servers, model: str, tag: str, spin_s) -> Dict[str, Server]:
+def _fleet(servers: Servers, model: str, tag: str, spin_s, idle_waits: List[float]
+           ) -> Dict[str, Tuple[Server, Server]]:
+    """{server kind: (front, decode server or None)}: one monolithic server, and a P/D
+    pair behind a proxy per ``idle_step_wait_s`` setting."""
     common = dict(threads=1, shm_busy_loop_s=spin_s)
-    p = servers.add(ServerSpec(f"P-{tag}", model, role="prefill", **common))
-    d = servers.add(ServerSpec(f"D-{tag}", model, role="decode", lease_s=30.0, **common))
-    mono = servers.add(ServerSpec(f"mono-{tag}", model, role="monolithic", **common))
-    proxy = servers.add(ProxySpec(f"proxy-{tag}", [p], [d], order="concurrent"))
-    return {"mono": mono, "1P1D": proxy, "decode": d}
+    fleet = {"mono": (servers.add(ServerSpec(f"mono-{tag}", model, role="monolithic", **common)),
+                      None)}
+    for wait in idle_waits:
+        extra = {"idle_step_wait_s": wait}
+        name = f"{tag}-w{wait * 1e3:g}"
+        p = servers.add(ServerSpec(f"P-{name}", model, role="prefill", kv_connector_extra_config=extra,
+                                   **common))
+        d = servers.add(ServerSpec(f"D-{name}", model, role="decode", lease_s=30.0,
+                                   kv_connector_extra_config=extra, **common))
+        fleet[f"1P1D wait {wait * 1e3:g} ms"] = (
+            servers.add(ProxySpec(f"proxy-{name}", [p], [d], order="concurrent")), d)
+    return fleet
 
 
 def main(argv: List[str] = None) -> None:
@@ -43,6 +54,8 @@ def main(argv: List[str] = None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--short-spin-s", type=float, default=0.002)
+    ap.add_argument("--idle-waits", default="0,0.005",
+                    help="idle_step_wait_s of each P/D pair, comma-separated (0: none)")
     ap.add_argument("--out", default="serving-stalls.json")
     args = ap.parse_args(argv)
 
@@ -52,24 +65,25 @@ def main(argv: List[str] = None) -> None:
     servers = Servers(os.path.join(work, "logs"))
     records: List[dict] = []
     with servers:
-        fleets = {"vLLM spin 1 s": _fleet(servers, model, "spin", None),
+        waits = [float(w) for w in args.idle_waits.split(",")]
+        fleets = {"vLLM spin 1 s": _fleet(servers, model, "spin", None, waits),
                   f"spin {args.short_spin_s * 1e3:g} ms": _fleet(servers, model, "short",
-                                                                  args.short_spin_s)}
+                                                                  args.short_spin_s, waits)}
         servers.start_all(900)
         for rep in range(args.reps):
             for fleet_name, fleet in fleets.items():
-                for kind in ("mono", "1P1D"):
+                for kind, (front, decode) in fleet.items():
                     for conc in (4, 8):
                         load = random_load_args(model=model, output_len=6, max_concurrency=conc,
                                                 num_prompts=args.requests, input_len=650,
                                                 range_ratio=0.7, seed=rep)
-                        local_before = prometheus.total(fleet["decode"].metrics(), LOCAL,
-                                                        source="local_compute")
-                        got = run_load(fleet[kind].url, load,
+                        local_before = 0.0 if decode is None else prometheus.total(
+                            decode.metrics(), LOCAL, source="local_compute")
+                        got = run_load(front.url, load,
                                        log_path=os.path.join(work, "logs", "load.log"))
-                        local = prometheus.total(fleet["decode"].metrics(), LOCAL,
-                                                 source="local_compute") - local_before
-                        if kind == "1P1D" and local > args.requests:
+                        local = 0.0 if decode is None else prometheus.total(
+                            decode.metrics(), LOCAL, source="local_compute") - local_before
+                        if local > args.requests:
                             raise RuntimeError(f"{fleet_name}: D computed {local} prompt tokens "
                                                f"for {args.requests} requests: the KV did not "
                                                "come from P")
@@ -102,15 +116,16 @@ def summary(records: List[dict]) -> str:
         values = [r[field] for r in groups[key]]
         return statistics.median(values), min(values), max(values)
 
-    lines = ["| fleet | concurrency | mono wall s | 1P1D wall s | wall ratio | mono TTFT p50 ms "
-             "| 1P1D TTFT p50 ms | 1P1D TTFT max ms |", "|---|---|---|---|---|---|---|---|"]
-    for fleet, conc in sorted({(f, c) for f, c, _ in groups}):
-        mw, pw = med((fleet, conc, "mono"), "wall_s"), med((fleet, conc, "1P1D"), "wall_s")
-        mt, pt = med((fleet, conc, "mono"), "ttft_p50_s"), med((fleet, conc, "1P1D"), "ttft_p50_s")
-        px = med((fleet, conc, "1P1D"), "ttft_max_s")
-        lines.append(f"| {fleet} | {conc} | {mw[0]:.2f} ({mw[1]:.2f}-{mw[2]:.2f}) | {pw[0]:.2f} "
-                     f"({pw[1]:.2f}-{pw[2]:.2f}) | {pw[0] / mw[0]:.2f} | {mt[0] * 1e3:.0f} | "
-                     f"{pt[0] * 1e3:.0f} ({pt[1] * 1e3:.0f}-{pt[2] * 1e3:.0f}) | {px[0] * 1e3:.0f} |")
+    lines = ["| fleet | P/D | concurrency | mono wall s | P/D wall s | wall ratio | mono TTFT p50 ms "
+             "| P/D TTFT p50 ms | P/D TTFT max ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for fleet, conc, kind in sorted(k for k in groups if k[2] != "mono"):
+        mw, pw = med((fleet, conc, "mono"), "wall_s"), med((fleet, conc, kind), "wall_s")
+        mt, pt = med((fleet, conc, "mono"), "ttft_p50_s"), med((fleet, conc, kind), "ttft_p50_s")
+        px = med((fleet, conc, kind), "ttft_max_s")
+        lines.append(f"| {fleet} | {kind} | {conc} | {mw[0]:.2f} ({mw[1]:.2f}-{mw[2]:.2f}) | "
+                     f"{pw[0]:.2f} ({pw[1]:.2f}-{pw[2]:.2f}) | {pw[0] / mw[0]:.2f} | "
+                     f"{mt[0] * 1e3:.0f} | {pt[0] * 1e3:.0f} ({pt[1] * 1e3:.0f}-{pt[2] * 1e3:.0f}) | "
+                     f"{px[0] * 1e3:.0f} |")
     return "\n".join(lines)
 
 

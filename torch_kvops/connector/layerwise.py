@@ -208,6 +208,18 @@ class LayerwiseConnector:
             return set(), set()
         return self._ledger.drain()
 
+    def wait_for_finished(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until :meth:`get_finished` has a request to report,
+        while any is in flight (returns at once otherwise); True if one is. An engine
+        with nothing to compute calls this instead of polling ``get_finished`` in a
+        busy loop: it wakes when a transfer ends, not a poll later."""
+        if self._ledger is None or timeout_s <= 0:
+            return False
+        side = self._side
+        if isinstance(side, ConsumerSide):
+            return self._ledger.wait_for_news(timeout_s, lambda: side.in_flight > 0)
+        return self._ledger.wait_for_news(timeout_s, lambda: bool(self._ledger.in_flight))
+
     def landed_chunks(self, req_id: str) -> List[List[int]]:
         """Consumer: of a request the last :meth:`get_finished` reported failed, the
         destination blocks of each chunk whose every layer landed before the failure,

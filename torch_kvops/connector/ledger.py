@@ -58,6 +58,7 @@ class RequestLedger:
 
     def __init__(self, stats: ConnectorStats) -> None:
         self.lock = threading.Lock()
+        self.news = threading.Condition(self.lock)  # notified when an outcome is queued
         self.in_flight: Dict[str, str] = {}  # producer: req_id -> peer id
         self._stats = stats
         self._finished: Set[str] = set()
@@ -87,6 +88,7 @@ class RequestLedger:
         ``landed``: of a failed request, the destination blocks of each chunk that
         landed whole before it failed (consumer; :meth:`landed_chunks`)."""
         (self._finished if ok else self._failed).add(req_id)
+        self.news.notify_all()
         if not ok and landed:
             self._landed_pending[req_id] = landed
         self._remember_locked(req_id, ok)
@@ -116,6 +118,20 @@ class RequestLedger:
             self._finished, self._failed = set(), set()
             self._landed = {r: self._landed_pending.pop(r) for r in failed if r in self._landed_pending}
         return finished, failed
+
+    def wait_for_news(self, timeout_s: float, busy=None) -> bool:
+        """Block up to ``timeout_s`` until :meth:`drain` has an outcome to give, or a
+        quarantined one falls due; at once if ``busy()`` (called under ``lock``) says
+        nothing is in flight and nothing is quarantined. True if an outcome is ready."""
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            while not (self._finished or self._failed) and (busy is None or busy() or self._delayed):
+                now = time.monotonic()
+                wake = min([deadline] + [due for due, _, _ in self._delayed])
+                if wake <= now:
+                    break
+                self.news.wait(wake - now)
+            return bool(self._finished or self._failed)
 
     def landed_chunks(self, req_id: str) -> List[List[int]]:
         """Of a request the last :meth:`drain` reported failed: the destination blocks

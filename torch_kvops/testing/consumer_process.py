@@ -64,7 +64,12 @@ def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, tran
     def renew(req_ids):
         return [connector.renew(req_id) for req_id in req_ids]
 
+    def wait_for_finished(timeout):
+        started = time.monotonic()
+        return connector.wait_for_finished(timeout), time.monotonic() - started
+
     serve(pipe, {"expect": expect, "renew": renew, "wait": wait, "drain": drain, "stats": connector.stats,
+                 "wait_for_finished": wait_for_finished,
                  "resources": process_resources, "landed": lambda: dict(landed),
                  "caches": lambda: [c.cpu().numpy().copy() for c in caches]}, close)
 

@@ -119,7 +119,7 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
             assert isinstance(connector_metadata, KvopsConnectorMetadata)
-            self._worker.begin_step(connector_metadata)
+            self._worker.bind(connector_metadata)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         return  # the step began in bind_connector_metadata; D receives pushes passively
@@ -139,6 +139,7 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
         return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: Set[str]) -> KVConnectorTransferResults:
+        self._worker.wait_if_idle()
         sending, recving, failed = self._worker.get_finished(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
@@ -207,6 +208,7 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KvopsConnectorMetadata()
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         self._scheduler.build_connector_meta(scheduler_output, meta)
         return meta
 

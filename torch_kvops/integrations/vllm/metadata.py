@@ -42,6 +42,10 @@ class KvopsSettings:
         layer by layer), 0 (the default with late binding) a P-first router. Without
         late binding (default 10 s) the request is then prefilled without push.
     step_timeout_s: bound of wait_for_save per step.
+    idle_step_wait_s: a step with nothing to compute while transfers are in flight waits
+        up to this long for one to end (it wakes when one does) instead of returning
+        at once: vLLM steps such an engine in a busy loop (~1,000 empty steps a second,
+        each through its executor's message queue). 0: no wait.
     connector: ConnectorConfig fields (lease_s, transfer_timeout_s, ...).
     fleet_key_file: the fleet key (else the file ``$KVOPS_FLEET_KEY_FILE`` names): signs
         every side-channel message and derives the control channel's secrets
@@ -65,6 +69,7 @@ class KvopsSettings:
     post_timeout_s: float = 2.0
     post_retries: int = 2
     step_timeout_s: float = 120.0
+    idle_step_wait_s: float = 0.005
     connector: Dict[str, Any] = field(default_factory=dict)
     fleet_key_file: str = ""
     auth_skew_s: float = 30.0
@@ -159,6 +164,7 @@ class KvopsConnectorMetadata(KVConnectorMetadata):
     """One scheduler step's transfer work for the worker."""
 
     def __init__(self) -> None:
+        self.idle = False  # the step computes nothing (no scheduled token)
         self.push: List[PushReq] = []
         self.recv: List[RecvReq] = []
         # producer: held requests given up on (no destination within the bounds); the

@@ -80,6 +80,7 @@ class KvopsWorker:
         self._views: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
         self._all_views: List[Tuple[int, torch.Tensor]] = []
         self.metrics = StatsCollector(self.role)
+        self._idle_step = False
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         caches = []
@@ -110,6 +111,17 @@ class KvopsWorker:
     def begin_step(self, meta: KvopsConnectorMetadata) -> None:
         """The step's transfer work, before its forward (bind_connector_metadata)."""
         raise NotImplementedError
+
+    def bind(self, meta: KvopsConnectorMetadata) -> None:
+        """The step's metadata, before its forward (bind_connector_metadata)."""
+        self._idle_step = meta.idle and not (meta.push or meta.recv or meta.release)
+        self.begin_step(meta)
+
+    def wait_if_idle(self) -> None:
+        """Before get_finished: in a step with nothing to compute or start, wait up to
+        ``idle_step_wait_s`` for an in-flight transfer to end (at once if none is)."""
+        if self._idle_step:
+            self.conn.wait_for_finished(self.settings.idle_step_wait_s)
 
     def save_kv_layer(self, layer_name: str) -> None:
         """After a layer's KV write: a producer pushes it."""
