@@ -20,6 +20,10 @@ by vLLM's own benchmark client (`vllm bench serve`, torch_kvops.serving.load).
 - After every test all block pools are free and nothing runs (vLLM's /metrics).
 
 One fleet for the module (its start-up is most of the cost); the tests run in order.
+Its engines run with vLLM's message-queue busy-spin cut to 2 ms (``shm_busy_loop_s``,
+the setting vllm-project/vllm#52814 proposes; serving/shm_spin/): seven engines that
+each spin a core for 1 s after every step overload 2 cores (docs/benchmarks.md, "Where
+the serving stalls went"). tests/test_serving_proxy.py runs vLLM's spin as shipped.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from torch_kvops.serving.servers import ProxySpec, RouterSpec, Servers, ServerSp
 LEASE_S = 15.0  # D: a transfer whose P died is recomputed after this
 HOLD_S = 8.0  # P: blocks held for a destination that never comes
 CONCURRENCY = 8
+SPIN_S = 0.002  # vLLM's message-queue busy-spin after each step (1 s as shipped)
 # 200 requests with prompts of 50-3000 tokens: most short, some long (the compute of
 # 200 uniformly long prompts on 2 cores would dominate the suite, not the coverage)
 PHASES = [dict(num_prompts=180, input_len=325, range_ratio=0.846, seed=1),  # 50-600
@@ -104,15 +109,16 @@ def fleet():
     log_dir = tempfile.mkdtemp(prefix="kvops-serving-load-logs-")  # kept for a failure's reader
     servers = Servers(log_dir)
     with servers:
-        prefill = [servers.add(ServerSpec(f"P{i}", model, role="prefill", threads=1,
+        common = dict(threads=1, shm_busy_loop_s=SPIN_S)
+        prefill = [servers.add(ServerSpec(f"P{i}", model, role="prefill", **common,
                                           kv_connector_extra_config={"hold_for_decode_s": HOLD_S}))
                    for i in (1, 2)]
-        decode = [servers.add(ServerSpec(f"D{i}", model, role="decode", lease_s=LEASE_S, threads=1))
+        decode = [servers.add(ServerSpec(f"D{i}", model, role="decode", lease_s=LEASE_S, **common))
                   for i in (1, 2)]
-        servers.add(ServerSpec("ref", model, role="monolithic", threads=1))
+        servers.add(ServerSpec("ref", model, role="monolithic", **common))
         # negative control for the router: a P without late binding (it waits 2 s for a
         # destination, then prefills without push; the router sends D only after that)
-        no_late = servers.add(ServerSpec("P3", model, role="prefill", threads=1, kv_connector_extra_config={
+        no_late = servers.add(ServerSpec("P3", model, role="prefill", **common, kv_connector_extra_config={
             "late_binding": False, "wait_for_decode_s": 2.0}))
         servers.add(RouterSpec("router", prefill, decode))
         servers.add(RouterSpec("router-nolate", [no_late], decode))
