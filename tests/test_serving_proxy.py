@@ -61,7 +61,11 @@ def cluster(tmp_path_factory):
     common = dict(max_num_batched_tokens=BUDGET, block_size=BLOCK, threads=1, served_model_name="m")
     with Servers(logs) as servers:
         ref = servers.add(ServerSpec("ref", model, role="monolithic", **common))
-        ps = [servers.add(ServerSpec(n, model, role="prefill", **common)) for n in PS]
+        # P holds a finished request's blocks this long for a destination (the sabotaged
+        # proxy's never comes)
+        ps = [servers.add(ServerSpec(n, model, role="prefill", **common,
+                                     kv_connector_extra_config={"hold_for_decode_s": 5.0}))
+              for n in PS]
         ds = [servers.add(ServerSpec(n, model, role="decode", lease_s=10.0, **common)) for n in DS]
         for order in ("d-first", "concurrent"):
             servers.add(ProxySpec(f"proxy-{order}", ps, ds, order=order,
