@@ -14,6 +14,7 @@ import time
 import pytest
 
 from torch_kvops.serving import prometheus
+from torch_kvops.serving.load import LoadClient, LoadError
 from torch_kvops.serving.model import random_prompt, vocabulary, write_serving_model
 from torch_kvops.serving.servers import REAPER, ServerSpec, merged
 from torch_kvops.serving.upstreams import Instance, Pool, parse_instances
@@ -169,6 +170,27 @@ def test_shm_busy_loop_setting_reaches_vllms_message_queue_readers_only_when_ask
 
     assert busy_loop_s(spec.environment()) == 0.002
     assert busy_loop_s(ServerSpec("P", "/nonexistent").environment()) == 1.0
+
+
+def test_a_servers_own_python_path_goes_before_the_harnesss_not_instead():
+    env = ServerSpec("P", "/nonexistent", shm_busy_loop_s=0.002, env={"PYTHONPATH": "/plugins"}
+                     ).environment()
+    first, *rest = env["PYTHONPATH"].split(os.pathsep)
+    assert first == "/plugins" and any(p.endswith("shm_spin") for p in rest), env["PYTHONPATH"]
+
+
+def test_the_warm_load_client_reports_a_failed_load_and_runs_the_next_in_the_same_child():
+    """LoadClient keeps vLLM's benchmark client in one child: a load that fails (here
+    an option it does not know) is a LoadError naming the cause, and the child lives
+    on for the next load; close() ends it."""
+    with LoadClient() as client:
+        with pytest.raises(LoadError, match="SystemExit"):
+            client.run("http://127.0.0.1:9", ["--no-such-option"])
+        child = client._proc
+        with pytest.raises(LoadError, match="SystemExit"):
+            client.run("http://127.0.0.1:9", ["--no-such-option"])
+        assert client._proc is child and child.poll() is None
+    assert child.poll() is not None
 
 
 def test_reaper_ends_the_tree_when_the_harness_is_sigkilled_and_without_it_the_tree_survives():

@@ -1,151 +1,59 @@
 """P/D as users serve it, under load and faults: `vllm serve` API servers (2 P, 2 D and a
-monolithic reference) behind vLLM's router (`vllm-router --vllm-pd-disaggregation
---kv-connector mooncake`: P first) and behind our proxy (concurrent dispatch), loaded
-by vLLM's own benchmark client (`vllm bench serve`, torch_kvops.serving.load).
+monolithic reference; tests/serving_fleet.py) behind vLLM's router (`vllm-router
+--vllm-pd-disaggregation --kv-connector mooncake`: P first) and behind our proxy
+(concurrent and D-first dispatch), loaded by vLLM's own benchmark client (`vllm bench
+serve`, torch_kvops.serving.load).
 
 - Behind vllm-router every answer equals the reference and its KV came from P (late
   binding: P pushes when D's destination arrives after P's answer); the negative
-  control is a P without late binding behind the same router: D recomputes.
-
+  control switches late binding off on the P's (``no_late_binding``): D recomputes.
 - Under load every answer equals the monolithic reference's (greedy, same prompts: the
   random dataset with the same seed) and D computed exactly one prompt token per
   request (D's `vllm:prompt_tokens_by_source{source="local_compute"}`); the negative
   control sends D no transfer parameters and sees D compute the prompts.
+- Through our proxy, D first and concurrent, completions and chat, streamed or not:
+  the reference's answers, D computing at most one block; requests spread over both
+  P and both D.
 - Faults under load: SIGKILL of a P (answered or failed within the lease, traffic moves
   to the other P, the restarted P takes traffic again; the negative control, a proxy
   that neither retries nor avoids the dead P, fails more than the in-flight requests),
-  SIGKILL of a D (P releases every
-  block it held), clients that disconnect (P and D abort them; the negative control, a
-  proxy that aborts nothing upstream, sees D finish the cut requests).
+  SIGKILL of a D (the same bounds, the other D serves, the restarted D serves again,
+  and P releases every block it held; the negative control, P's release path broken
+  with ``no_release``, keeps blocks), clients that disconnect (P and D abort them; the
+  negative control, a proxy that aborts nothing upstream, sees D finish the cut
+  requests).
 - After every test all block pools are free and nothing runs (vLLM's /metrics).
 
 One fleet for the module (its start-up is most of the cost); the tests run in order.
-Its engines run with vLLM's message-queue busy-spin cut to 2 ms (``shm_busy_loop_s``,
-the setting vllm-project/vllm#52814 proposes; serving/shm_spin/): seven engines that
-each spin a core for 1 s after every step overload 2 cores (docs/benchmarks.md, "Where
-the serving stalls went"). tests/test_serving_proxy.py runs vLLM's spin as shipped.
 """
 from __future__ import annotations
 
 import asyncio
-import os
-import tempfile
+import json
+import random
 import time
+import urllib.request
 from typing import Dict, List, Tuple
 
 import aiohttp
 import pytest
 
+from serving_fleet import CONCURRENCY, HOLD_S, LEASE_S, Fleet, same_answers, started_fleet
 from torch_kvops.serving import prometheus
-from torch_kvops.serving.load import random_load_args, run_load
-from torch_kvops.serving.model import random_prompt, write_serving_model
-from torch_kvops.serving.servers import ProxySpec, RouterSpec, Servers, ServerSpec
+from torch_kvops.serving.model import random_prompt
 
-LEASE_S = 15.0  # D: a transfer whose P died is recomputed after this
-HOLD_S = 8.0  # P: blocks held for a destination that never comes
-CONCURRENCY = 8
-SPIN_S = 0.002  # vLLM's message-queue busy-spin after each step (1 s as shipped)
 # 200 requests with prompts of 50-3000 tokens: most short, some long (the compute of
 # 200 uniformly long prompts on 2 cores would dominate the suite, not the coverage)
 PHASES = [dict(num_prompts=180, input_len=325, range_ratio=0.846, seed=1),  # 50-600
           dict(num_prompts=20, input_len=2500, range_ratio=0.2, seed=2)]  # 2000-3000
 FAULT_LOAD = dict(num_prompts=40, input_len=900, range_ratio=0.9, seed=3)  # 90-1710
-
-
-class Fleet:
-    def __init__(self, servers: Servers, model: str, log_dir: str) -> None:
-        self.servers, self.model, self.log_dir = servers, model, log_dir
-        self._reference: Dict[Tuple, dict] = {}
-
-    def url(self, name: str) -> str:
-        return self.servers[name].url
-
-    def load(self, front: str, output_len: int = 4, **phase) -> dict:
-        args = random_load_args(model=self.model, output_len=output_len,
-                                max_concurrency=CONCURRENCY, **phase)
-        return run_load(self.url(front), args, log_path=os.path.join(self.log_dir, "load.log"))
-
-    def reference(self, **phase) -> dict:
-        key = tuple(sorted(phase.items()))
-        if key not in self._reference:
-            self._reference[key] = self.load("ref", **phase)
-            assert not any(self._reference[key]["errors"]), "the reference server failed requests"
-        return self._reference[key]
-
-    def prompt_tokens(self, source: str) -> float:
-        """Prompt tokens of the decode servers so far, by source: ``local_compute`` (D
-        computed them) or ``external_kv_transfer`` (they came from P)."""
-        return sum(prometheus.total(self.servers[d].metrics(), "vllm:prompt_tokens_by_source_total",
-                                    source=source) for d in ("D1", "D2"))
-
-    def counter(self, name: str, metric: str, **labels: str) -> float:
-        return prometheus.total(self.servers[name].metrics(), metric, **labels)
-
-    def wait_all_idle(self, timeout: float) -> Dict[str, dict]:
-        """Wait until every engine is idle with its block pool free (and P holds
-        nothing); return the last states for the assertion message."""
-        names = ["P1", "P2", "P3", "D1", "D2", "ref"]
-        deadline = time.monotonic() + timeout
-        while True:
-            states = {}
-            for n in names:
-                samples = self.servers[n].metrics()
-                states[n] = dict(prometheus.engine_state(samples),
-                                 held=prometheus.total(samples, "vllm:kvops_held_requests"))
-            if all(s["running"] == 0 and s["waiting"] == 0 and s["kv_cache_usage"] == 0
-                   and s["held"] == 0 for s in states.values()):
-                return states
-            if time.monotonic() > deadline:
-                raise AssertionError(f"engines not idle with free block pools after {timeout} s: "
-                                     f"{states}")
-            time.sleep(0.5)
+BLOCK = 32
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    tmp = tempfile.TemporaryDirectory(prefix="kvops-serving-load-")
-    model = os.path.join(tmp.name, "model")
-    write_serving_model(model)
-    log_dir = tempfile.mkdtemp(prefix="kvops-serving-load-logs-")  # kept for a failure's reader
-    servers = Servers(log_dir)
-    with servers:
-        common = dict(threads=1, shm_busy_loop_s=SPIN_S)
-        prefill = [servers.add(ServerSpec(f"P{i}", model, role="prefill", **common,
-                                          kv_connector_extra_config={"hold_for_decode_s": HOLD_S}))
-                   for i in (1, 2)]
-        decode = [servers.add(ServerSpec(f"D{i}", model, role="decode", lease_s=LEASE_S, **common))
-                  for i in (1, 2)]
-        servers.add(ServerSpec("ref", model, role="monolithic", **common))
-        # negative control for the router: a P without late binding (it waits 2 s for a
-        # destination, then prefills without push; the router sends D only after that)
-        no_late = servers.add(ServerSpec("P3", model, role="prefill", **common, kv_connector_extra_config={
-            "late_binding": False, "wait_for_decode_s": 2.0}))
-        servers.add(RouterSpec("router", prefill, decode))
-        servers.add(RouterSpec("router-nolate", [no_late], decode))
-        servers.add(ProxySpec("proxy", prefill, decode, order="concurrent",
-                              extra_args=["--down-s", "3", "--retries", "3"]))
-        servers.add(ProxySpec("proxy-nokv", prefill, decode, order="concurrent",
-                              extra_args=["--no-decode-params"]))
-        # negative control for the SIGKILL of a P: no retry, a failed P is not avoided
-        servers.add(ProxySpec("proxy-noretry", prefill, decode, order="concurrent",
-                              extra_args=["--retries", "0", "--down-s", "0"]))
-        # negative control for the disconnect test: a client's leaving aborts nothing
-        servers.add(ProxySpec("proxy-noabort", prefill, decode, order="concurrent",
-                              extra_args=["--no-abort-on-disconnect"]))
-        servers.start_all(900)
-        try:
-            yield Fleet(servers, model, log_dir)
-        finally:
-            problems = servers.stop_all()
-            tmp.cleanup()
-            assert not problems, problems
-
-
-def _same_answers(got: dict, ref: dict) -> List[int]:
-    """Indices of requests whose answer differs from the reference (errors included)."""
-    assert got["input_lens"] == ref["input_lens"], "the client sent other prompts"
-    return [i for i, (a, b, e) in enumerate(zip(got["generated_texts"], ref["generated_texts"],
-                                                got["errors"])) if e or a != b]
+    with started_fleet() as fleet:
+        yield fleet
 
 
 def test_load_answers_equal_reference_and_decode_computes_one_token(fleet):
@@ -158,7 +66,7 @@ def test_load_answers_equal_reference_and_decode_computes_one_token(fleet):
         lens = got["input_lens"]
         prompt_tokens += sum(lens)
         assert min(lens) >= 50 and max(lens) <= 3000
-        wrong = _same_answers(got, ref)
+        wrong = same_answers(got, ref)
         assert not wrong, f"{len(wrong)} answers differ from the reference: {wrong[:10]}"
         assert got["completed"] == phase["num_prompts"]
     # every request's KV came from P: D computed at most the last prompt token (vLLM
@@ -180,7 +88,7 @@ def test_vllm_router_p_first_moves_every_prompt_from_prefill(fleet):
     before = {s: fleet.prompt_tokens(s) for s in ("local_compute", "external_kv_transfer")}
     held_before = sum(fleet.counter(p, "vllm:kvops_holds_pushed_total") for p in ("P1", "P2"))
     got = fleet.load("router", **ROUTER_LOAD)
-    wrong = _same_answers(got, ref)
+    wrong = same_answers(got, ref)
     if wrong:
         again = fleet.load("ref", **ROUTER_LOAD)  # is the reference itself stable there?
         raise AssertionError(f"{len(wrong)} answers differ from the reference: " + "; ".join(
@@ -197,14 +105,85 @@ def test_vllm_router_p_first_moves_every_prompt_from_prefill(fleet):
 
 
 def test_vllm_router_negative_control_without_late_binding_decode_recomputes(fleet):
+    """The same router with late binding switched off on both P's: P prefills without
+    a destination (it waits for none), and D recomputes every prompt."""
     phase = dict(num_prompts=4, input_len=400, range_ratio=0.5, seed=12)
     ref = fleet.reference(**phase)
     before = fleet.prompt_tokens("local_compute")
-    got = fleet.load("router-nolate", **phase)
-    assert not _same_answers(got, ref)  # right answers, but D computed them itself
+    fleet.sabotage.set("no_late_binding")
+    try:
+        got = fleet.load("router", **phase)
+    finally:
+        fleet.sabotage.set()
+    assert not same_answers(got, ref)  # right answers, but D computed them itself
     local = fleet.prompt_tokens("local_compute") - before
     assert local == sum(got["input_lens"]), (local, got["input_lens"])
     fleet.wait_all_idle(LEASE_S + 30)
+
+
+def _post(url: str, body: dict, stream: bool = False):
+    """One request: the answer (a dict), or with ``stream`` the text of its
+    server-sent events, chunks joined."""
+    req = urllib.request.Request(url, json.dumps(dict(body, stream=stream)).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        if not stream:
+            return json.loads(resp.read())
+        text = []
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+        return "".join(text)
+
+
+def _text(answer: dict) -> str:
+    choice = answer["choices"][0]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+@pytest.mark.parametrize("order", ["d-first", "concurrent"])
+def test_proxy_completions_and_chat_streamed_or_not_equal_the_reference(fleet, order):
+    """Our proxy in each dispatch order: completions and chat, streamed and not, give
+    the reference's answers; D reports computing at most one block of each prompt."""
+    front = fleet.url("proxy-d-first" if order == "d-first" else "proxy")
+    rng = random.Random(21)
+    prompts = [random_prompt(n, 1024, rng) for n in (40, 600)]  # 600: P prefills 2 chunks
+    before = fleet.prompt_tokens("local_compute")
+    requests = 0
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for prompt in prompts:
+            body = {"model": fleet.model, "max_tokens": 6, "temperature": 0}
+            body.update({"prompt": prompt} if path == "/v1/completions" else
+                        {"messages": [{"role": "user", "content": prompt}]})
+            want = _text(_post(fleet.url("ref") + path, body))
+            got = _post(front + path, body)
+            assert _text(got) == want, (order, path, len(prompt.split()))
+            assert got["kv_transfer_params"]["kvops_local_prompt_tokens"] <= BLOCK, got["kv_transfer_params"]
+            assert _post(front + path, body, stream=True) == want, (order, path, "stream")
+            requests += 2
+    local = fleet.prompt_tokens("local_compute") - before
+    assert local <= BLOCK * requests, f"D computed {local} prompt tokens for {requests} requests"
+    fleet.wait_all_idle(30)
+
+
+def _upstream_requests(fleet: Fleet, front: str) -> Dict[str, float]:
+    """Requests the proxy ``front`` sent so far to each P and D, by server name."""
+    counts = prometheus.find(prometheus.fetch(fleet.url(front)), "kvops_proxy_upstream_requests_total")
+    return {name: sum(v for k, v in counts.items() if fleet.url(name) in k)
+            for name in ("P1", "P2", "D1", "D2")}
+
+
+def test_requests_spread_over_both_prefill_and_decode_instances(fleet):
+    before = _upstream_requests(fleet, "proxy-d-first")
+    rng = random.Random(22)
+    for _ in range(8):
+        _post(fleet.url("proxy-d-first") + "/v1/completions",
+              {"model": fleet.model, "prompt": random_prompt(100, 1024, rng), "max_tokens": 2})
+    after = _upstream_requests(fleet, "proxy-d-first")
+    assert all(after[n] > before[n] for n in after), (before, after)
+    fleet.wait_all_idle(30)
 
 
 def test_negative_control_without_transfer_decode_computes_the_prompts(fleet):
@@ -213,20 +192,25 @@ def test_negative_control_without_transfer_decode_computes_the_prompts(fleet):
     ref = fleet.reference(**phase)
     before = fleet.prompt_tokens("local_compute")
     got = fleet.load("proxy-nokv", **phase)
-    assert not _same_answers(got, ref)  # the answers are right: D computed them itself
+    assert not same_answers(got, ref)  # the answers are right: D computed them itself
     local = fleet.prompt_tokens("local_compute") - before
     assert local == sum(got["input_lens"]) > phase["num_prompts"]
     fleet.wait_all_idle(HOLD_S + 30)  # P held the blocks of 8 destinations that never came
 
 
-def _load_and_kill(fleet: Fleet, victim: str, front: str = "proxy", **phase) -> Tuple[dict, List[int]]:
+def _load_and_kill(fleet: Fleet, victim: str, front: str = "proxy", pushes_in_flight: bool = False,
+                   sabotage: Tuple[str, ...] = (), **phase) -> Tuple[dict, List[int]]:
     """Run ``phase`` through ``front``, SIGKILL ``victim`` once it finished 3 requests;
     return the load's result and the indices of the failed requests, after checking
-    that every answer that came back equals the reference."""
+    that every answer that came back equals the reference. ``pushes_in_flight``: P's
+    push steps start 1.5 s late from just before the kill for 2 s (``slow``), so that
+    pushes to a dying D are certainly under way when it dies. ``sabotage``: modes
+    set on the P's for the whole load."""
     import concurrent.futures
 
     ref = fleet.reference(**phase)
     base = fleet.counter(victim, "vllm:request_success_total")
+    fleet.sabotage.set(*sabotage)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         future = pool.submit(fleet.load, front, **phase)
         deadline = time.monotonic() + 120
@@ -236,9 +220,15 @@ def _load_and_kill(fleet: Fleet, victim: str, front: str = "proxy", **phase) -> 
                     f"{victim} finished fewer than 3 requests in 120 s; {front}: "
                     f"{prometheus.find(fleet.servers[front].metrics(), 'kvops_proxy')}")
             time.sleep(0.2)
+        if pushes_in_flight:
+            fleet.sabotage.set(*sabotage, "slow")
+            time.sleep(0.5)
         fleet.servers.kill(victim)
+        if pushes_in_flight:
+            time.sleep(2.0)
+            fleet.sabotage.set(*sabotage)
         got = future.result(timeout=600)
-    wrong = [i for i in _same_answers(got, ref) if not got["errors"][i]]
+    wrong = [i for i in same_answers(got, ref) if not got["errors"][i]]
     assert not wrong, f"answers differ from the reference: {wrong}"
     return got, [i for i, e in enumerate(got["errors"]) if e]
 
@@ -256,7 +246,7 @@ def test_sigkill_prefill_under_load(fleet):
     p1_after_restart = fleet.counter("P1", "vllm:request_success_total")
     phase = dict(num_prompts=16, input_len=200, range_ratio=0.5, seed=6)
     got = fleet.load("proxy", **phase)
-    assert not _same_answers(got, fleet.reference(**phase))
+    assert not same_answers(got, fleet.reference(**phase))
     assert fleet.counter("P1", "vllm:request_success_total") > p1_after_restart
     fleet.wait_all_idle(LEASE_S + HOLD_S + 30)
 
@@ -271,14 +261,30 @@ def test_negative_control_sigkill_prefill_behind_a_proxy_that_neither_retries_no
     fleet.wait_all_idle(LEASE_S + HOLD_S + 30)
 
 
+def _failed_pushes(fleet: Fleet) -> float:
+    return sum(fleet.counter(p, "vllm:kvops_requests_failed_total") for p in ("P1", "P2"))
+
+
 def test_sigkill_decode_under_load_frees_prefill_blocks(fleet):
-    got, failed = _load_and_kill(fleet, "D1", **FAULT_LOAD)
+    d2_before = fleet.counter("D2", "vllm:request_success_total")
+    failed_before = _failed_pushes(fleet)
+    got, failed = _load_and_kill(fleet, "D1", pushes_in_flight=True, **FAULT_LOAD)
+    # pushes to D1 were under way when it died: P had blocks to release
+    assert _failed_pushes(fleet) > failed_before
     assert len(failed) <= CONCURRENCY, f"{len(failed)} requests failed: {got['errors']}"
     assert max(got["latencies"]) < LEASE_S + 30, max(got["latencies"])
+    # the proxy retried around the dead D before the first byte: the other D served
+    assert fleet.counter("D2", "vllm:request_success_total") - d2_before > FAULT_LOAD["num_prompts"] / 2
     # P releases every block it held or pushed for D1's requests (push failures and
     # holds end within their bounds)
-    fleet.servers.restart("D1")
     fleet.wait_all_idle(LEASE_S + HOLD_S + 30)
+    fleet.servers.restart("D1")  # and the restarted D takes traffic again
+    d1_after_restart = fleet.counter("D1", "vllm:request_success_total")
+    phase = dict(num_prompts=16, input_len=200, range_ratio=0.5, seed=7)
+    got = fleet.load("proxy", **phase)
+    assert not same_answers(got, fleet.reference(**phase))
+    assert fleet.counter("D1", "vllm:request_success_total") > d1_after_restart
+    fleet.wait_all_idle(30)
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, body: dict, disconnect_after: int) -> str:
@@ -346,8 +352,6 @@ def _cut_clients(fleet: Fleet, front: str, prompts: List[str], cut: Dict[int, in
 
 
 def test_client_disconnects_abort_on_prefill_and_decode(fleet):
-    import random
-
     rng = random.Random(7)
     prompts = [random_prompt(rng.randint(200, 1500), 1024, rng) for _ in range(40)]
     # 10% of the clients: two before the first byte (P and D still working), two
@@ -364,10 +368,22 @@ def test_client_disconnects_abort_on_prefill_and_decode(fleet):
 
 def test_negative_control_a_proxy_that_aborts_nothing_lets_decode_finish_cut_requests(fleet):
     """The check above fails when the client's leaving aborts nothing upstream."""
-    import random
-
     rng = random.Random(8)
     prompts = [random_prompt(rng.randint(200, 600), 1024, rng) for _ in range(4)]
     outcomes, done = _cut_clients(fleet, "proxy-noabort", prompts, {1: 2, 3: 2})
     assert outcomes.count("disconnected") == 2
     assert done == len(prompts), done  # the two cut requests decoded their 200 tokens
+
+
+def test_negative_control_a_prefill_that_releases_nothing_keeps_blocks_after_a_decode_dies(fleet):
+    """The pool check of the D kill above fails when P's release path is broken
+    (``no_release``: failed pushes and released holds never reported). Last in the
+    module: the leaked blocks stay leaked, and D2 stays dead."""
+    try:
+        got, failed = _load_and_kill(fleet, "D2", pushes_in_flight=True, sabotage=("no_release",),
+                                     **FAULT_LOAD)
+        with pytest.raises(AssertionError, match="not idle with free block pools") as leaked:
+            fleet.wait_all_idle(LEASE_S + HOLD_S + 30)
+    finally:
+        fleet.sabotage.set()
+    print(f"\n[negative control] D2 killed, P releasing nothing: {leaked.value}")

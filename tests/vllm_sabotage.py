@@ -20,7 +20,9 @@ prefill engine:
 - ``slow_steps``: every step that computes tokens takes 1.5 s longer (after its push
   plan is made), so a test can post a destination between two chunks;
 - ``no_late_binding``: the scheduler runs with ``late_binding`` off (the feature
-  switched off, for negative controls).
+  switched off, for negative controls);
+- ``no_release``: the worker reports neither failed pushes nor released holds in
+  ``finished_sending``, so vLLM never frees their blocks (P's release path broken).
 
 In a decode engine:
 
@@ -28,9 +30,15 @@ In a decode engine:
   reported as a load error, so vLLM keeps blocks that never received their KV);
 - ``no_renewal``: the scheduler asks no prefill engine which transfers it still owes
   (the leases are never renewed, for negative controls).
+
+``vllm serve`` engines (torch_kvops.serving) load it as a vLLM general plugin in every
+process (API server, engine core, workers): :func:`serving_env` gives a server the
+environment that installs it (``ServerSpec(env=...)``) for its role.
 """
 import os
 import time
+
+_installed = False
 
 
 class Switch:
@@ -59,7 +67,31 @@ def modes() -> set:
         return {m.strip() for m in f.read().split(",") if m.strip()}
 
 
+def serving_env(directory: str, role: str) -> dict:
+    """Environment for a ``vllm serve`` engine of ``role`` ("prefill" or "decode") that
+    installs this module through vLLM's ``vllm.general_plugins`` entry point group: a
+    distribution's metadata in ``directory``, which goes on PYTHONPATH with this file's
+    folder. The test's :class:`Switch` names the modes file (KVOPS_SABOTAGE_FILE)."""
+    info = os.path.join(directory, "kvops_test_sabotage-0.dist-info")
+    os.makedirs(info, exist_ok=True)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: kvops-test-sabotage\nVersion: 0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write("[vllm.general_plugins]\nkvops_test_sabotage = vllm_sabotage:install_serving\n")
+    return {"PYTHONPATH": os.pathsep.join([directory, os.path.dirname(os.path.abspath(__file__))]),
+            "KVOPS_SABOTAGE_ROLE": role}
+
+
+def install_serving() -> None:
+    """vLLM general plugin: install for this server's role, once per process."""
+    install(os.environ["KVOPS_SABOTAGE_ROLE"])
+
+
 def install(process_name: str) -> None:
+    global _installed
+    if _installed:  # a forked process already has the patches of its parent
+        return
+    _installed = True
     if process_name.startswith("decode"):
         install_decode()
     if process_name != "prefill":
@@ -68,6 +100,7 @@ def install(process_name: str) -> None:
     from torch_kvops.integrations.vllm.worker_producer import ProducerWorker
     from torch_kvops.transports.mooncake import MooncakeTransport
 
+    from torch_kvops.connector.layerwise import LayerwiseConnector
     from torch_kvops.connector.peer import PeerLink
 
     write = MooncakeTransport.write
@@ -87,9 +120,18 @@ def install(process_name: str) -> None:
         return write(self, peer, src, dst, lengths, **kwargs)
 
     begin_step = ProducerWorker.begin_step
+    get_finished = LayerwiseConnector.get_finished
+
+    def sabotaged_get_finished(self):
+        done, failed = get_finished(self)
+        if failed and self.role == "producer" and "no_release" in modes():
+            return done, set()  # never reported: their source blocks are never freed
+        return done, failed
 
     def sabotaged_begin_step(self, meta):
         how = modes()
+        if "no_release" in how:
+            meta.release = []
         if "rotate" in how:
             for push in meta.push:
                 push.dst_blocks = push.dst_blocks[1:] + push.dst_blocks[:1]
@@ -121,6 +163,7 @@ def install(process_name: str) -> None:
     MooncakeTransport.write = sabotaged_write
     PeerLink.write_layer = sabotaged_write_layer
     ProducerWorker.begin_step = sabotaged_begin_step
+    LayerwiseConnector.get_finished = sabotaged_get_finished
     vllm_scheduler.ProducerScheduler.build_connector_meta = sabotaged_build_connector_meta
     vllm_scheduler.ProducerScheduler.get_num_new_matched_tokens = sabotaged_matched
 

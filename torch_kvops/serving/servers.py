@@ -83,7 +83,8 @@ class ServerSpec:
     channel on ``side_channel_port``; D: ``connector.lease_s``). ``port`` and
     ``side_channel_port`` 0 mean a free port picked at the first start and kept on
     restarts. ``extra_args`` are appended to the server's command line; ``env`` to
-    its environment (over :data:`BASE_ENV`); ``threads`` sets OMP_NUM_THREADS."""
+    its environment (over :data:`BASE_ENV`; its PYTHONPATH goes first on the server's);
+    ``threads`` sets OMP_NUM_THREADS."""
 
     name: str
     model: str
@@ -162,7 +163,10 @@ class ServerSpec:
         if self.shm_busy_loop_s is not None:
             env[SHM_BUSY_LOOP_VARIABLE] = repr(float(self.shm_busy_loop_s))
             env["PYTHONPATH"] = os.pathsep.join(p for p in (SHM_SPIN_DIR, env.get("PYTHONPATH")) if p)
-        env.update(self.env)
+        env.update({k: v for k, v in self.env.items() if k != "PYTHONPATH"})
+        if "PYTHONPATH" in self.env:  # before the harness's own entries, not instead of them
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (self.env["PYTHONPATH"],
+                                                            env.get("PYTHONPATH")) if p)
         return env
 
 
