@@ -21,8 +21,9 @@ prefill engine:
   plan is made), so a test can post a destination between two chunks;
 - ``no_late_binding``: the scheduler runs with ``late_binding`` off (the feature
   switched off, for negative controls);
-- ``no_release``: the worker reports neither failed pushes nor released holds in
-  ``finished_sending``, so vLLM never frees their blocks (P's release path broken).
+- ``no_release``: the worker reports in ``finished_sending`` only requests a push of
+  which landed, so vLLM never frees the blocks of one whose transfer failed, was
+  refused or given up (P's release path broken).
 
 In a decode engine:
 
@@ -100,7 +101,6 @@ def install(process_name: str) -> None:
     from torch_kvops.integrations.vllm.worker_producer import ProducerWorker
     from torch_kvops.transports.mooncake import MooncakeTransport
 
-    from torch_kvops.connector.layerwise import LayerwiseConnector
     from torch_kvops.connector.peer import PeerLink
 
     write = MooncakeTransport.write
@@ -120,18 +120,33 @@ def install(process_name: str) -> None:
         return write(self, peer, src, dst, lengths, **kwargs)
 
     begin_step = ProducerWorker.begin_step
-    get_finished = LayerwiseConnector.get_finished
+    get_finished = ProducerWorker.get_finished
 
-    def sabotaged_get_finished(self):
-        done, failed = get_finished(self)
-        if failed and self.role == "producer" and "no_release" in modes():
-            return done, set()  # never reported: their source blocks are never freed
-        return done, failed
+    def sabotaged_get_finished(self, finished_req_ids):
+        """``no_release``: report in finished_sending only the requests a push of
+        which landed; every other way out (failed or refused pushes, an unreachable
+        decode rank, released holds, aborts) keeps its blocks."""
+        if "no_release" not in modes():
+            return get_finished(self, finished_req_ids)
+        landed = self.__dict__.setdefault("_sabotage_landed", set())
+        parts = dict(self._tid_to_req)
+        collect = self.conn.get_finished
+
+        def collecting():
+            done, failed = collect()
+            landed.update(parts[t] for t in done if t in parts)
+            return done, failed
+        self.conn.get_finished = collecting
+        try:
+            sending, recving, failed = get_finished(self, finished_req_ids)
+        finally:
+            del self.conn.get_finished
+        released = sending & landed
+        landed -= released
+        return released, recving, failed
 
     def sabotaged_begin_step(self, meta):
         how = modes()
-        if "no_release" in how:
-            meta.release = []
         if "rotate" in how:
             for push in meta.push:
                 push.dst_blocks = push.dst_blocks[1:] + push.dst_blocks[:1]
@@ -163,7 +178,7 @@ def install(process_name: str) -> None:
     MooncakeTransport.write = sabotaged_write
     PeerLink.write_layer = sabotaged_write_layer
     ProducerWorker.begin_step = sabotaged_begin_step
-    LayerwiseConnector.get_finished = sabotaged_get_finished
+    ProducerWorker.get_finished = sabotaged_get_finished
     vllm_scheduler.ProducerScheduler.build_connector_meta = sabotaged_build_connector_meta
     vllm_scheduler.ProducerScheduler.get_num_new_matched_tokens = sabotaged_matched
 
