@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -119,15 +119,16 @@ class RequestLedger:
             self._landed = {r: self._landed_pending.pop(r) for r in failed if r in self._landed_pending}
         return finished, failed
 
-    def wait_for_news(self, timeout_s: float, busy=None) -> bool:
+    def wait_for_news(self, timeout_s: float, busy: Callable[[], bool]) -> bool:
         """Block up to ``timeout_s`` until :meth:`drain` has an outcome to give, or a
         quarantined one falls due; at once if ``busy()`` (called under ``lock``) says
         nothing is in flight and nothing is quarantined. True if an outcome is ready."""
         deadline = time.monotonic() + timeout_s
         with self.lock:
-            while not (self._finished or self._failed) and (busy is None or busy() or self._delayed):
+            while not (self._finished or self._failed) and (self._delayed or busy()):
+                wake = min((due for due, _, _ in self._delayed), default=deadline)
+                wake = min(wake, deadline)
                 now = time.monotonic()
-                wake = min([deadline] + [due for due, _, _ in self._delayed])
                 if wake <= now:
                     break
                 self.news.wait(wake - now)

@@ -160,13 +160,15 @@ class ServerSpec:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
+        # the spec's own entries first, then the spin setting's, then the harness's
+        path = [self.env.get("PYTHONPATH"), env.get("PYTHONPATH")]
         if self.shm_busy_loop_s is not None:
             env[SHM_BUSY_LOOP_VARIABLE] = repr(float(self.shm_busy_loop_s))
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (SHM_SPIN_DIR, env.get("PYTHONPATH")) if p)
-        env.update({k: v for k, v in self.env.items() if k != "PYTHONPATH"})
-        if "PYTHONPATH" in self.env:  # before the harness's own entries, not instead of them
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (self.env["PYTHONPATH"],
-                                                            env.get("PYTHONPATH")) if p)
+            path.insert(1, SHM_SPIN_DIR)
+        env.update(self.env)
+        env.pop("PYTHONPATH", None)
+        if any(path):
+            env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
         return env
 
 

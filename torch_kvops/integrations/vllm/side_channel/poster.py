@@ -252,7 +252,7 @@ class DestinationPoster:
             silent = True
             log.warning("prefill side at %s did not answer a liveness question in %.1f s: %s",
                         peer.address, self._probe_timeout_s, exc)
-        except (OSError, ConnectionError, TimeoutError, http.client.HTTPException, _Refused) as exc:
+        except (OSError, http.client.HTTPException, _Refused) as exc:  # refused, reset, gone
             peer.resolved = None
             log.warning("prefill side at %s did not answer a liveness question: %s", peer.address, exc)
         except Exception:  # the worker lives on
