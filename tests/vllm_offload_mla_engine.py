@@ -2,13 +2,24 @@
 
 KvopsOffloadingSpec with an MLA model at tensor parallelism 2 (vLLM's mp executor):
 every rank's latent cache is the same, so vLLM's offloading config asks for one host
-copy per block (``replicated_layout``). The MLA test model runs on vLLM's AMX_MLA
-backend (bf16, block size 32): the CPU_MLA backend turns prefix caching off, and
-without prefix caching nothing is offloaded or looked up. This needs a CPU with AMX;
-without one the script fails and says so.
+copy per block (``replicated_layout``). ``python vllm_offload_mla_engine.py BACKEND``
+with BACKEND one of:
 
-1. ``offload``: prompt X, fillers that evict X's blocks from the engine's KV cache,
-   X again: its prefix comes back from the host tier (both ranks load it).
+- ``CPU_MLA`` (runs on any x86-64 CPU vLLM supports, block size 16): vLLM's CPU
+  platform turns prefix caching off for MLA unless AMX_MLA is in use, and without
+  prefix caching nothing is offloaded or looked up. :func:`keep_prefix_caching` puts
+  back the value the engine was given, as a test-only plugin would. The reason vLLM
+  turns it off is CPU_MLA's prefill over cached context; here every request with a
+  cached prefix computes exactly one token, which vLLM runs on the decode path (the
+  paged decode kernel over the cached latent), so that path is never taken.
+- ``AMX_MLA`` (needs a CPU with AMX tiles, block size 32): prefix caching stays on
+  by itself.
+
+1. ``offload``: ``head`` (whole blocks) is served once; then ``head + [t]`` (its prefix
+   from the engine's own cache, ``t`` on the decode path): the reference; fillers evict
+   ``head``'s blocks from the engine's KV cache; ``head + [t]`` again: its prefix comes
+   back from the host tier (both ranks load it) and ``t`` runs on the same decode path,
+   so any difference in the tokens comes from the bytes loaded.
 2. Per rank: the spec's layout decision, the jobs each rank submitted (rank 1 never
    stores), and a digest of each rank's view of the host tier (equal: rank 1 reads
    the bytes rank 0 wrote, through one shared region).
@@ -30,8 +41,9 @@ ENGINE_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "TOKENIZERS_PARALLELISM": "false",
 }
-LAYERS, BLOCK_SIZE, ENGINE_BLOCKS = 2, 32, 24
-PROMPT_LEN, FILLER_LEN, FILLERS, NEW_TOKENS = 200, 400, 3, 6
+BACKENDS = {"CPU_MLA": 16, "AMX_MLA": 32}  # backend -> the block size it takes
+LAYERS, ENGINE_TOKENS = 2, 768  # the engine's KV cache: 48 blocks of 16, 24 of 32
+HEAD_BLOCKS, FILLER_LEN, FILLERS, NEW_TOKENS = 6, 400, 3, 6
 OFFLOAD_EXTRA = {"spec_name": "KvopsOffloadingSpec",
                  "spec_module_path": "torch_kvops.integrations.vllm.offload",
                  "num_cpu_blocks": 128}
@@ -67,13 +79,32 @@ def zero_host_tier_on_rank_1(worker) -> bool:
     return True
 
 
-def main() -> None:
+def keep_prefix_caching() -> None:
+    """Test-only: keep ``enable_prefix_caching`` as the engine was configured after vLLM's
+    CPU platform has checked the config (it turns it off for MLA without AMX). The
+    config is built in this process (V1 multiprocessing off) and handed to the workers
+    as it is, so patching the platform here is enough."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    checked = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_keep(cls, vllm_config) -> None:
+        wanted = vllm_config.cache_config.enable_prefix_caching
+        checked(cls, vllm_config)
+        vllm_config.cache_config.enable_prefix_caching = wanted
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_keep)
+
+
+def main(backend: str) -> None:
     os.environ.update(ENGINE_ENV)
     import torch
 
-    if not torch.cpu._is_amx_tile_supported():
-        raise SystemExit("this test needs a CPU with AMX (vLLM's AMX_MLA backend keeps prefix caching "
-                         "for MLA; CPU_MLA turns it off, and with it KV offloading)")
+    if backend == "AMX_MLA" and not torch.cpu._is_amx_tile_supported():
+        raise SystemExit("AMX_MLA needs a CPU with AMX tiles (lscpu flag amx_tile)")
+    if backend == "CPU_MLA":
+        keep_prefix_caching()
+    block_size = BACKENDS[backend]
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -81,7 +112,8 @@ def main() -> None:
 
     rng = random.Random(21)
     vocab = 1024
-    prompt = [rng.randrange(3, vocab) for _ in range(PROMPT_LEN)]
+    head = [rng.randrange(3, vocab) for _ in range(HEAD_BLOCKS * block_size)]
+    prompt = head + [rng.randrange(3, vocab)]
 
     def fillers():
         return [[rng.randrange(3, vocab) for _ in range(FILLER_LEN)] for _ in range(FILLERS)]
@@ -93,22 +125,25 @@ def main() -> None:
         return {"tokens": list(out.outputs[0].token_ids), "cached_tokens": out.num_cached_tokens}
 
     def serve_evict_serve(fill):
+        warm = serve(head)
         first = serve(prompt)
         for f in fill:
             serve(f)
-        return {"first": first, "again": serve(prompt)}
+        return {"warm": warm, "first": first, "again": serve(prompt)}
 
     result = {}
     with tempfile.TemporaryDirectory() as model_dir:
         write_mla_model(model_dir, layers=LAYERS)
         t0 = time.monotonic()
         llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
-                  block_size=BLOCK_SIZE, num_gpu_blocks_override=ENGINE_BLOCKS, max_model_len=512,
-                  max_num_batched_tokens=512, seed=0, tensor_parallel_size=2,
-                  distributed_executor_backend="mp", attention_config={"backend": "AMX_MLA"},
+                  block_size=block_size, num_gpu_blocks_override=ENGINE_TOKENS // block_size,
+                  max_model_len=512, max_num_batched_tokens=512, seed=0, tensor_parallel_size=2,
+                  enable_prefix_caching=True, distributed_executor_backend="mp",
+                  attention_config={"backend": backend},
                   kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                                       kv_connector_extra_config=OFFLOAD_EXTRA))
         result["start_s"] = time.monotonic() - t0
+        result["prefix_caching"] = llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
         result["offload"] = serve_evict_serve(fillers())
         result["ranks"] = llm.collective_rpc(rank_report)
         llm.collective_rpc(zero_host_tier_on_rank_1)
@@ -116,6 +151,7 @@ def main() -> None:
         for f in fillers():
             serve(f)
         result["corrupted"] = serve(prompt)
+        result["block_size"] = block_size
         llm.llm_engine.engine_core.shutdown()
         result["total_s"] = time.monotonic() - t0
     print(json.dumps(result))
@@ -123,4 +159,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1])
