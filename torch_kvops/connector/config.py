@@ -5,8 +5,9 @@ from dataclasses import dataclass
 from typing import Union
 
 # 2: authenticated handshake, begin names destination blocks; 3: integrity digests
-# per layer ("digests" notices), in the mode the link agreed on
-PROTOCOL_VERSION = 3
+# per layer ("digests" notices), in the mode the link agreed on; 4: the fence: "begun"
+# grants a write lease (grant_s), "failed" says whether writes may still be in flight
+PROTOCOL_VERSION = 4
 
 INTEGRITY_MODES = ("off", "checksum", "mac")  # weakest first
 
@@ -39,6 +40,14 @@ class ConnectorConfig:
     max_wait_s: float = 300.0
     control_timeout_s: float = 5.0  # connect/send on the control channel
     quarantine_s: float = 1.0  # a write that failed may still land late (Mooncake#4247)
+    # The fence (docs/connector.md, "The fence"). Consumer: a request it gives up on
+    # while its producer may still have writes in the transport (lease expired, the
+    # producer's connection ended, integrity failure, a failure notice with writes in
+    # flight) is revoked at once but reported only this long after its producer's
+    # write lease ended: what the transport may still deliver of a write handed to it
+    # before (Mooncake TCP keeps a timed-out transfer running until its progress
+    # timeout, MC_TCP_PROGRESS_TIMEOUT_SEC, 30 s by default; plus one transfer timeout).
+    fence_drain_s: float = 35.0
     # Staging of fragmented layers (docs/connector.md). A layer whose merged
     # descriptors average fewer bytes than the threshold goes through staging slots.
     staging_threshold_bytes: int = 256 << 10  # 0 disables staging
@@ -60,6 +69,8 @@ class ConnectorConfig:
 
     def __post_init__(self) -> None:
         integrity_mode(self.integrity_check)  # refuse a bad value now, not at the first push
+        if self.fence_drain_s < 0:
+            raise ValueError(f"fence_drain_s must be >= 0, got {self.fence_drain_s}")
         if self.staging_slots < 2:
             raise ValueError("staging_slots must be >= 2: one slot group is gathered while the "
                              f"other is on the wire, got {self.staging_slots}")

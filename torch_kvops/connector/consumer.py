@@ -12,6 +12,15 @@ control server's handshake (control/server.py). Among those, a request belongs t
 that began it: ``chunk``/``failed`` for it from any other session, a ``begin`` for it
 from another session, and a ``scatter`` into blocks that no request of the session
 covers are ignored and counted (``control_not_owner``, ``scatter_refused``).
+
+The fence (docs/connector.md): every ``begun`` grants the producer a write lease of
+``lease_s``, which the producer counts from before it sent ``begin`` and so ends, by
+its clock, no later than this side's lease does. A request given up on while its
+producer may still write (its lease expired, its producer's connection ended, a
+failure notice that says writes may be in flight, an integrity failure mid-push) is
+*revoked*: no notice, begin or scatter for it is accepted any more, and its blocks
+stay out of the engine's hands (``fenced`` counts them) until ``fence_drain_s`` after
+the later of now and the end of its write lease. Only then is it reported failed.
 """
 from __future__ import annotations
 
@@ -49,6 +58,14 @@ class _Incoming:
     landed: List[List[int]] = field(default_factory=list)  # per chunk landed, its blocks
     verifying: bool = False  # every byte landed; the verifier thread decides its outcome
     ended: bool = False  # reported: the verifier skips its remaining layers
+    granted_until: float = 0.0  # this side's end of the producer's write lease
+    # revoked: reported failed at this time, when no write of its producer can land
+    fenced_until: Optional[float] = None
+    trust_landed: bool = True  # the landed chunks it will report when the fence ends
+
+    @property
+    def live(self) -> bool:
+        return self.fenced_until is None
 
 
 class ConsumerSide(ConsumerIntegrity):
@@ -99,6 +116,12 @@ class ConsumerSide(ConsumerIntegrity):
     def in_flight(self) -> int:
         return len(self._incoming)
 
+    @property
+    def fenced(self) -> int:
+        """Requests revoked but not yet reported: their blocks wait for the fence."""
+        with self._ledger.lock:
+            return sum(not entry.live for entry in self._incoming.values())
+
     def expect(self, req_id: str, lease_s: Optional[float]) -> None:
         with self._ledger.lock:
             if req_id not in self._incoming and not self._ledger.was_reported_locked(req_id):
@@ -108,7 +131,7 @@ class ConsumerSide(ConsumerIntegrity):
         now = time.monotonic()
         with self._ledger.lock:
             entry = self._incoming.get(req_id)
-            if entry is None or entry.ended:
+            if entry is None or entry.ended or not entry.live:
                 return False
             entry.deadline = max(entry.deadline, min(now + self._config.lease_s,
                                                      entry.since + self._config.max_wait_s))
@@ -131,7 +154,9 @@ class ConsumerSide(ConsumerIntegrity):
             session.reply({"op": "welcome", "staging": grant.to_json() if grant else None,
                            "integrity": self._config.integrity_mode})
         elif op == "begin":
-            session.reply({"op": "begun", "rejected": self._begin_requests(message, session)})
+            rejected = self._begin_requests(message, session)
+            # the write lease: the producer counts it from before it sent begin
+            session.reply({"op": "begun", "rejected": rejected, "grant_s": self._config.lease_s})
         elif op == "scatter":
             if self._staging is None or not session.staging:
                 raise ValueError("scatter without a staging grant")
@@ -170,7 +195,7 @@ class ConsumerSide(ConsumerIntegrity):
             owned = self._owned_blocks.setdefault(session, {})
             for req_id in req_ids:
                 entry = self._incoming.get(req_id)
-                if self._ledger.was_reported_locked(req_id):
+                if self._ledger.was_reported_locked(req_id) or (entry is not None and not entry.live):
                     rejected.append(req_id)
                     continue
                 if entry is None:
@@ -183,7 +208,7 @@ class ConsumerSide(ConsumerIntegrity):
                                 session.producer, req_id, entry.owner.producer)
                     rejected.append(req_id)
                     continue
-                entry.deadline = deadline
+                entry.deadline = entry.granted_until = deadline
                 entry.step_dst = dst.get(req_id, [])
                 for block in dst.get(req_id, ()):
                     entry.blocks.add(block)
@@ -191,9 +216,14 @@ class ConsumerSide(ConsumerIntegrity):
         return rejected
 
     def _owns_blocks(self, session: Session, blocks: List[int]) -> bool:
+        """True if every block belongs to a live (not revoked) request of the session."""
         with self._ledger.lock:
             owned = self._owned_blocks.get(session, {})
-            return all(b in owned for b in blocks)
+            for block in blocks:
+                entry = self._incoming.get(owned.get(block, ""))
+                if entry is None or not entry.live:
+                    return False
+            return True
 
     def _request_notice(self, op: str, req_id: str, message: dict, session: Session) -> None:
         with self._ledger.lock:
@@ -206,11 +236,18 @@ class ConsumerSide(ConsumerIntegrity):
                 log.warning("ignoring %r for request %s from producer %s: it did not begin it",
                             op, req_id, session.producer)
                 return
+            if not entry.live:
+                self._stats.add(revoked_notices=1)
+                log.warning("ignoring %r for request %s: revoked here already", op, req_id)
+                return
             entry.deadline = time.monotonic() + self._config.lease_s
             if op == "failed":
                 log.warning("request %s failed on the producer: %s", req_id, message.get("reason"))
                 self._stats.add(failed_by_producer=1)
-                self._end_locked(req_id, ok=False)
+                # The producer sends this once it starts no more writes for the request;
+                # a write of it that failed may still be in the transport (Mooncake#4247).
+                self._give_up_locked(req_id, writes_may_land=message.get("in_flight") is not False,
+                                     after_grant=False)
                 return
             entry.chunks += 1
             entry.bytes += int(message.get("bytes", 0))
@@ -242,6 +279,24 @@ class ConsumerSide(ConsumerIntegrity):
         entry.landed.append(blocks)
         return None
 
+    def _give_up_locked(self, req_id: str, writes_may_land: bool = True, after_grant: bool = True,
+                        trust_landed: bool = True) -> None:
+        """Under the ledger lock: fail the request now if no write of its producer can
+        still land, else revoke it and report it once the fence ends: ``fence_drain_s``
+        after now, or after its write lease ends if the producer may still start writes
+        (``after_grant``: it has not said it stopped)."""
+        entry = self._incoming[req_id]
+        if entry.owner is None or not writes_may_land:
+            self._end_locked(req_id, ok=False, trust_landed=trust_landed)
+            return
+        start = max(time.monotonic(), entry.granted_until) if after_grant else time.monotonic()
+        entry.fenced_until = start + self._config.fence_drain_s
+        entry.trust_landed = trust_landed
+        self._stats.add(fenced=1)
+        log.warning("request %s revoked: reported failed in %.1f s, when no write of producer %s "
+                    "for it can still land", req_id, entry.fenced_until - time.monotonic(),
+                    entry.owner.producer)
+
     def _end_locked(self, req_id: str, ok: bool, trust_landed: bool = True) -> None:
         """Under the ledger lock: report the request once and forget its blocks. A
         failed request keeps the list of chunks that landed whole (landed_chunks)."""
@@ -262,25 +317,28 @@ class ConsumerSide(ConsumerIntegrity):
         """A connection that ends is a failed peer: its producer fails what it began
         (docs/connector.md), so the requests fail here now instead of at lease expiry."""
         with self._ledger.lock:
-            begun = [r for r, entry in self._incoming.items() if entry.owner is session]
+            begun = [r for r, entry in self._incoming.items() if entry.owner is session and entry.live]
             for req_id in begun:
                 log.warning("request %s: the connection of producer %s ended before it finished",
                             req_id, session.producer)
                 self._stats.add(failed_producer_gone=1)
-                self._end_locked(req_id, ok=False)
-            self._owned_blocks.pop(session, None)
+                # An alive producer stops at its next layer (it checks its channel before
+                # each write); what it handed to the transport before may still land.
+                self._give_up_locked(req_id, after_grant=False)
         if self._staging is not None and session.producer is not None:
             self._staging.release(session.producer)
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
         with self._ledger.lock:
-            expired = [r for r, entry in self._incoming.items()
-                       if entry.deadline < now and not entry.verifying]
-            for req_id in expired:
-                log.warning("request %s: lease expired before it finished", req_id)
-                self._stats.add(failed_lease_expired=1)
-                self._end_locked(req_id, ok=False)
+            for req_id, entry in list(self._incoming.items()):
+                if not entry.live:
+                    if entry.fenced_until < now:
+                        self._end_locked(req_id, ok=False, trust_landed=entry.trust_landed)
+                elif entry.deadline < now and not entry.verifying:
+                    log.warning("request %s: lease expired before it finished", req_id)
+                    self._stats.add(failed_lease_expired=1)
+                    self._give_up_locked(req_id)
 
     # ------------------------------------------------------------------ shutdown
 

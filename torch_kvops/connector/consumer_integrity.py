@@ -43,6 +43,10 @@ class ConsumerIntegrity:
     def _end_locked(self, req_id: str, ok: bool, trust_landed: bool = True) -> None:
         raise NotImplementedError  # ConsumerSide's
 
+    def _give_up_locked(self, req_id: str, writes_may_land: bool = True, after_grant: bool = True,
+                        trust_landed: bool = True) -> None:
+        raise NotImplementedError  # ConsumerSide's
+
     def _verifier_locked(self) -> Verifier:
         if self._verifier is None:
             self._verifier = Verifier(self._verified, self._stats)
@@ -51,7 +55,7 @@ class ConsumerIntegrity:
     def _verified(self, req_id: str, entry: _Incoming, problem: Optional[str]) -> None:
         """Verifier thread: the outcome of a request whose every byte had landed."""
         with self._ledger.lock:
-            if self._incoming.get(req_id) is not entry:  # ended meanwhile (close)
+            if self._incoming.get(req_id) is not entry or not entry.live:  # ended meanwhile (close)
                 return
             if problem is not None:
                 self._fail_integrity_locked(req_id, problem)
@@ -68,8 +72,8 @@ class ConsumerIntegrity:
         with self._ledger.lock:
             for req_id, digests in reqs.items():
                 entry = self._incoming.get(str(req_id))
-                if entry is None or entry.verifying:
-                    continue  # reported already (e.g. failed an earlier layer)
+                if entry is None or entry.verifying or not entry.live:
+                    continue  # reported or revoked already (e.g. failed an earlier layer)
                 if entry.owner is not session:
                     self._stats.add(control_not_owner=1)
                     log.warning("ignoring digests for request %s from producer %s: it did not "
@@ -123,5 +127,7 @@ class ConsumerIntegrity:
     def _fail_integrity_locked(self, req_id: str, reason: str) -> None:
         self._stats.add(integrity_failures=1)
         log.error("request %s failed the integrity check: %s", req_id, reason)
-        # no landed chunk is vouched for: the bytes or the notices are not what was sent
-        self._end_locked(req_id, ok=False, trust_landed=False)
+        # no landed chunk is vouched for: the bytes or the notices are not what was sent;
+        # a request failed before its last chunk may still be written to (the fence)
+        entry = self._incoming[req_id]
+        self._give_up_locked(req_id, writes_may_land=not entry.verifying, trust_landed=False)

@@ -249,6 +249,7 @@ class LayerwiseConnector:
         out["role"] = self.role
         if isinstance(self._side, ConsumerSide):
             out.update(self._side.counters())
+            out["fenced_now"] = self._side.fenced  # revoked requests whose blocks wait for the fence
         with self._ledger.lock:
             out["in_flight"] = len(self._ledger.in_flight)
             if isinstance(self._side, ConsumerSide):

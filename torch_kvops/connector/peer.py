@@ -40,6 +40,12 @@ class PeerLink:
         # transport never touches device memory (see staging.py).
         self.stage_every_layer = False
         self.dead: Optional[str] = None
+        # The write lease of the current step (monotonic clock): no write starts after
+        # it. It counts the consumer's grant from before ``begin`` was sent, so it ends
+        # no later than the consumer's lease does (docs/connector.md, "The fence").
+        self.write_until = 0.0
+        # When a write last failed: its bytes may still land (Mooncake#4247)
+        self.last_write_error_at: Optional[float] = None
         # Set when this link sends digests of what it pushed (integrity.py).
         self.digester: Optional[BlockDigester] = None
         # (layer, claimed slots, gather) started while the previous layer was on the wire
@@ -70,12 +76,32 @@ class PeerLink:
         connection scatter only into those); the consumer answers with those it does not
         accept (already reported failed, e.g. its lease expired, or begun by another
         producer)."""
+        sent_at = time.monotonic()
+        self.write_until = 0.0
         self.send({"op": "begin", "reqs": list(dst_blocks),
                    "dst": {req_id: dst.tolist() for req_id, dst in dst_blocks.items()}})
         answer = self._receive_until(lambda m: m.get("op") == "begun")
         if answer is None:
             raise PeerFailed(self.dead or "no answer to begin within the transfer timeout")
+        grant = answer.get("grant_s")
+        if type(grant) not in (int, float) or not 0 <= grant < float("inf"):
+            raise PeerFailed(f"the consumer's answer to begin grants no valid write lease: {grant!r}")
+        self.write_until = sent_at + grant
         return set(answer.get("rejected", []))
+
+    def check_write_lease(self, what: str) -> None:
+        """Refuse to start a write (or a scatter) once the step's write lease ended by
+        this side's clock: the consumer may have given the blocks back to its engine.
+        Fails the step for this peer without marking it dead."""
+        if time.monotonic() >= self.write_until:
+            self._stats.add(write_lease_ended=1)
+            raise PeerFailed(f"write lease ended before {what}: the consumer may have released "
+                             f"the blocks")
+
+    def writes_may_be_in_flight(self) -> bool:
+        """True while a failed write of this peer may still land (within the fence)."""
+        return (self.last_write_error_at is not None
+                and time.monotonic() - self.last_write_error_at < self._config.fence_drain_s)
 
     def _receive_until(self, done: Callable[[dict], bool]) -> Optional[dict]:
         """Read the peer's messages (staging acks are handled on the way) until
@@ -125,11 +151,13 @@ class PeerLink:
     def _write(self, layer: int, src, dst, lengths) -> int:
         attempt = 0
         while True:
+            self.check_write_lease(f"layer {layer}'s write")
             try:
                 self._transport.write(self.data_address, src, dst, lengths,
                                       timeout_s=self._config.transfer_timeout_s)
                 return attempt
             except TransportError as exc:
+                self.last_write_error_at = time.monotonic()
                 self._stats.add(transport_errors=1)
                 if not exc.transient or attempt >= self._config.max_retries or self._stop.is_set():
                     raise self.give_up(f"layer {layer} write failed: {exc}") from exc
@@ -178,6 +206,7 @@ class PeerLink:
                                        [d[2] for d in descs])
                 for (slot, start), desc in zip(claimed, descs):
                     self._stats.add(bytes_sent=desc[2], staged_writes=1)
+                    self.check_write_lease(f"layer {layer}'s scatter")
                     staging.busy[slot] = True
                     self.send({"op": "scatter", "layer": layer, "slot": slot,
                                "dst": dst_blocks[start:start + per_slot].tolist()})

@@ -240,9 +240,12 @@ class StepSender:
 
     def _notify_failed(self, peer: PeerLink, req_id: str, reason: Optional[str]) -> None:
         """Best effort: a broken channel fails at once (its socket is closed), and the
-        consumer's lease covers a notice that never arrives."""
+        consumer's lease covers a notice that never arrives. Sent once no more writes
+        start for the request; ``in_flight`` tells the consumer whether a failed write
+        may still land (it then fences the blocks, docs/connector.md)."""
         try:
-            peer.send({"op": "failed", "req": req_id, "reason": reason})
+            peer.send({"op": "failed", "req": req_id, "reason": reason,
+                       "in_flight": peer.writes_may_be_in_flight()})
         except PeerFailed:
             log.warning("failure notice for %s not delivered to %s: %s", req_id, peer.peer_id, peer.dead)
 

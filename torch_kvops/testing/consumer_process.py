@@ -64,11 +64,19 @@ def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, tran
     def renew(req_ids):
         return [connector.renew(req_id) for req_id in req_ids]
 
+    def fill(blocks, value):
+        """Write ``value`` into ``blocks`` of every layer, as the engine would when it
+        hands the blocks to another request (a sentinel for fence tests)."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=device)
+        for cache in caches:
+            cache.index_fill_(0, idx, float(value))
+
     def wait_for_finished(timeout):
         started = time.monotonic()
         return connector.wait_for_finished(timeout), time.monotonic() - started
 
     serve(pipe, {"expect": expect, "renew": renew, "wait": wait, "drain": drain, "stats": connector.stats,
+                 "fill": fill,
                  "wait_for_finished": wait_for_finished,
                  "resources": process_resources, "landed": lambda: dict(landed),
                  "caches": lambda: [c.cpu().numpy().copy() for c in caches]}, close)

@@ -1,0 +1,135 @@
+"""The fence (docs/connector.md): once the consumer has reported a transfer failed, no
+byte of that transfer lands in its blocks. Real producer and consumer processes over
+the real Mooncake engine (TCP, loopback).
+
+Each case: the consumer gives up on a request while its producer is still in the
+middle of the push; right after the consumer reports the failure, the test writes a
+sentinel into the request's destination blocks (as the engine would when it hands them
+to another request); once the producer's step is over, the sentinel must be intact on
+every layer. Negative control: the same with the producer's write lease switched off
+(``write_lease=False``): the producer's later layers overwrite the sentinel.
+"""
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from torch_kvops.testing.consumer_process import ConsumerProcess
+from torch_kvops.testing.producer_process import ProducerProcess
+
+LAYERS, BLOCKS, BLOCK_SHAPE = 4, 32, (2, 8, 16)  # 1 KiB blocks
+# Contiguous blocks: one descriptor per layer, written straight into the consumer's KV
+# cache (a staged write is scattered by the consumer, which refuses revoked requests).
+SRC, DST = [0, 1, 2, 3], [10, 11, 12, 13]
+LEASE_S, DRAIN_S = 0.5, 0.3
+CONFIG = dict(transfer_timeout_s=3.0, max_retries=0, control_timeout_s=2.0, quarantine_s=0.1,
+              lease_s=LEASE_S, fence_drain_s=DRAIN_S)
+PUSHED, SENTINEL, UNTOUCHED = 5.0, 99.0, -7.0
+
+
+@pytest.fixture
+def consumer():
+    proc = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **CONFIG)
+    yield proc
+    proc.stop()
+
+
+def _producer(write_lease: bool) -> ProducerProcess:
+    return ProducerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, write_lease=write_lease, **CONFIG)
+
+
+def _layers_landed(consumer) -> int:
+    caches = consumer.call("caches")
+    return sum(bool((c[DST] == PUSHED).all()) for c in caches)
+
+
+def _give_up_then_sentinel(consumer, producer, req_id: str, gap_s: float, freeze_s: float = 0.0) -> dict:
+    """Push ``req_id`` with ``gap_s`` between layers; once layer 0 landed, freeze the
+    producer for ``freeze_s`` (0: leave it running, stalled by its slow layers). Fill
+    the sentinel as soon as the consumer reports the failure; return what happened."""
+    peer = producer.call("add_peer", consumer.info)
+    consumer.call("expect", [req_id])
+    producer.send("push", req_id, peer, SRC, DST, PUSHED, gap_s)
+    deadline = time.monotonic() + 10
+    while _layers_landed(consumer) < 1:
+        assert time.monotonic() < deadline, "layer 0 never landed"
+        time.sleep(0.01)
+    frozen_at = time.monotonic()
+    if freeze_s:
+        os.kill(producer.proc.pid, signal.SIGSTOP)
+    try:
+        finished, failed, _ = consumer.call("wait", [req_id], 10.0)
+        reported_after = time.monotonic() - frozen_at
+        consumer.call("fill", DST, SENTINEL)
+        landed_at_report = _layers_landed(consumer)
+        if freeze_s:
+            time.sleep(max(0.0, freeze_s - (time.monotonic() - frozen_at)))
+    finally:
+        if freeze_s:
+            os.kill(producer.proc.pid, signal.SIGCONT)
+    p_finished, p_failed, p_stats = producer.reply(timeout=60)
+    caches = consumer.call("caches")
+    return {"finished": finished, "failed": failed, "reported_after": reported_after,
+            "landed_at_report": landed_at_report, "producer_failed": p_failed,
+            "producer_stats": p_stats, "consumer_stats": consumer.call("stats"),
+            "sentinel_layers": [bool((c[DST] == SENTINEL).all()) for c in caches],
+            "outside_untouched": all(bool((np.delete(c, DST, axis=0) == UNTOUCHED).all()) for c in caches)}
+
+
+def _assert_fenced(run: dict, req_id: str) -> None:
+    assert run["failed"] == {req_id} and not run["finished"]
+    assert run["sentinel_layers"] == [True] * LAYERS, f"a write landed after the report: {run}"
+    assert run["outside_untouched"]
+    assert run["producer_failed"] == [req_id]
+    assert run["producer_stats"]["write_lease_ended"] >= 1
+    assert run["consumer_stats"]["fenced"] == 1
+
+
+def test_a_stalled_producer_writes_nothing_after_its_lease(consumer):
+    """The producer is alive but its layers come slower than the lease: the consumer
+    revokes the request, reports it after the fence, and the producer's later layers
+    are never written."""
+    producer = _producer(write_lease=True)
+    try:
+        run = _give_up_then_sentinel(consumer, producer, "stalled", gap_s=2.0)
+    finally:
+        producer.stop()
+    _assert_fenced(run, "stalled")
+    # reported no earlier than the lease plus the fence's drain
+    assert run["reported_after"] >= DRAIN_S
+
+
+def test_a_frozen_producer_writes_nothing_when_it_resumes(consumer):
+    """SIGSTOP past two leases, then SIGCONT, repeated: every time the resumed producer
+    finds its write lease over and writes no further layer."""
+    producer = _producer(write_lease=True)
+    try:
+        peer_runs = [_give_up_then_sentinel(consumer, producer, f"frozen-{i}", gap_s=0.3,
+                                            freeze_s=2 * LEASE_S + DRAIN_S)
+                     for i in range(FROZEN_REPEATS)]
+    finally:
+        producer.stop()
+    for i, run in enumerate(peer_runs):
+        assert run["failed"] == {f"frozen-{i}"}
+        assert run["sentinel_layers"] == [True] * LAYERS, f"run {i}: a write landed after the report"
+        assert run["outside_untouched"]
+        assert run["producer_failed"] == [f"frozen-{i}"]
+    print(f"{FROZEN_REPEATS} freezes: reported after "
+          f"{sorted(round(r['reported_after'], 2) for r in peer_runs)} s, 0 sentinel bytes overwritten")
+
+
+FROZEN_REPEATS = 20
+
+
+@pytest.mark.parametrize("freeze", [False, True], ids=["stalled", "frozen"])
+def test_negative_control_without_the_write_lease_the_sentinel_is_overwritten(consumer, freeze):
+    producer = _producer(write_lease=False)
+    try:
+        run = _give_up_then_sentinel(consumer, producer, "unfenced", gap_s=2.0 if not freeze else 0.3,
+                                     freeze_s=(2 * LEASE_S + DRAIN_S) if freeze else 0.0)
+    finally:
+        producer.stop()
+    assert run["failed"] == {"unfenced"}
+    assert not all(run["sentinel_layers"]), "the control must see late writes land"

@@ -1,0 +1,64 @@
+"""A producer (prefill-side) LayerwiseConnector in its own process, driven over a pipe,
+so that a test can freeze it (SIGSTOP), resume it (SIGCONT) or kill it while it pushes.
+Its "model" writes each layer's blocks, hooks the layer, then waits ``gap_s`` (a slow
+forward): the sender writes layer i while layer i+1 is still being computed."""
+from __future__ import annotations
+
+import time
+import traceback
+
+from .worker import WorkerProcess, serve
+
+
+def producer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, write_lease: bool):
+    import torch
+
+    from ..connector import ConnectorConfig, LayerwiseConnector
+    from ..connector.peer import PeerLink
+    from ..plan import TransferRequest
+    from ..transports import MooncakeTransport
+
+    try:
+        if not write_lease:  # negative control only: the producer ignores its write lease
+            PeerLink.check_write_lease = lambda self, what: None
+        caches = [torch.zeros(num_blocks, *block_shape) for _ in range(num_layers)]
+        transport = MooncakeTransport(host="127.0.0.1")
+        connector = LayerwiseConnector("producer", transport, ConnectorConfig(**config_kwargs))
+        connector.register_kv_caches(caches)
+    except BaseException:
+        pipe.send(("error", traceback.format_exc()))
+        raise
+    pipe.send(("ok", None))
+    peers = {}
+
+    def add_peer(info):
+        peers[info["engine_id"]] = connector.add_peer(info)
+        return peers[info["engine_id"]]
+
+    def push(req_id, peer, src, dst, value, gap_s):
+        """One step: every layer of ``src`` is set to ``value`` and pushed to ``dst``.
+        Returns (finished, failed, stats) once the step is over."""
+        connector.start_step([TransferRequest(req_id, peer, src, dst)])
+        idx = torch.tensor(src, dtype=torch.long)
+        for layer, cache in enumerate(caches):
+            cache.index_fill_(0, idx, float(value))
+            connector.save_kv_layer(layer, cache)
+            time.sleep(gap_s)
+        connector.wait_for_save(timeout=120)
+        finished, failed = connector.get_finished()
+        return sorted(finished), sorted(failed), connector.stats()
+
+    def close():
+        connector.close()
+        transport.close()
+
+    serve(pipe, {"add_peer": add_peer, "push": push}, close)
+
+
+class ProducerProcess(WorkerProcess):
+    """Handle on a producer process (``proc.pid`` for signals)."""
+
+    def __init__(self, num_layers, num_blocks, block_shape, timeout=60.0, write_lease=True,
+                 **config_kwargs):
+        super().__init__(producer_main, (num_layers, num_blocks, block_shape, config_kwargs, write_lease),
+                         "producer", timeout)
