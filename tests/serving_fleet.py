@@ -25,6 +25,7 @@ from torch_kvops.serving.servers import ProxySpec, RouterSpec, Servers, ServerSp
 from vllm_sabotage import Switch, serving_env
 
 LEASE_S = 15.0  # D: a transfer whose P died is recomputed after this
+FENCE_DRAIN_S = 5.0  # D: a killed P's blocks are kept this long (docs/connector.md, "The fence")
 HOLD_S = 8.0  # P: blocks held for a destination that never comes
 CONCURRENCY = 8
 SPIN_S = 0.002  # vLLM's message-queue busy-spin after each step (1 s as shipped)
@@ -96,7 +97,9 @@ def started_fleet() -> Iterator[Fleet]:
                 f"P{i}", model, role="prefill", env=serving_env(os.path.join(tmp.name, "plugin"),
                                                                 "prefill"),
                 kv_connector_extra_config={"hold_for_decode_s": HOLD_S}, **common)) for i in (1, 2)]
-            decode = [servers.add(ServerSpec(f"D{i}", model, role="decode", lease_s=LEASE_S, **common))
+            decode = [servers.add(ServerSpec(f"D{i}", model, role="decode", lease_s=LEASE_S,
+                                             kv_connector_extra_config={"connector": {
+                                                 "fence_drain_s": FENCE_DRAIN_S}}, **common))
                       for i in (1, 2)]
             servers.add(ServerSpec("ref", model, role="monolithic", **common))
             servers.add(RouterSpec("router", prefill, decode))

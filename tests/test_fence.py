@@ -6,8 +6,9 @@ Each case: the consumer gives up on a request while its producer is still in the
 middle of the push; right after the consumer reports the failure, the test writes a
 sentinel into the request's destination blocks (as the engine would when it hands them
 to another request); once the producer's step is over, the sentinel must be intact on
-every layer. Negative control: the same with the producer's write lease switched off
-(``write_lease=False``): the producer's later layers overwrite the sentinel.
+every layer. Negative control: the same with the producer's side of the fence switched
+off (``fence="off"``: it ignores its write lease and the consumer's revokes): the
+producer's later layers overwrite the sentinel.
 """
 import os
 import signal
@@ -36,8 +37,8 @@ def consumer():
     proc.stop()
 
 
-def _producer(write_lease: bool) -> ProducerProcess:
-    return ProducerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, write_lease=write_lease, **CONFIG)
+def _producer(fence: str) -> ProducerProcess:
+    return ProducerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, fence=fence, **CONFIG)
 
 
 def _layers_landed(consumer) -> int:
@@ -78,54 +79,62 @@ def _give_up_then_sentinel(consumer, producer, req_id: str, gap_s: float, freeze
             "outside_untouched": all(bool((np.delete(c, DST, axis=0) == UNTOUCHED).all()) for c in caches)}
 
 
-def _assert_fenced(run: dict, req_id: str) -> None:
-    assert run["failed"] == {req_id} and not run["finished"]
-    assert run["sentinel_layers"] == [True] * LAYERS, f"a write landed after the report: {run}"
-    assert run["outside_untouched"]
-    assert run["producer_failed"] == [req_id]
-    assert run["producer_stats"]["write_lease_ended"] >= 1
-    assert run["consumer_stats"]["fenced"] == 1
-
-
-def test_a_stalled_producer_writes_nothing_after_its_lease(consumer):
+def test_a_stalled_producer_stops_when_revoked_and_the_blocks_return_within_the_lease():
     """The producer is alive but its layers come slower than the lease: the consumer
-    revokes the request, reports it after the fence, and the producer's later layers
-    are never written."""
-    producer = _producer(write_lease=True)
+    revokes the request, the producer stops it and acknowledges, and the consumer
+    reports it at once, long before the drain bound (30 s here); the producer's later
+    layers are never written."""
+    consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **dict(CONFIG, fence_drain_s=30.0))
+    producer = _producer(fence="full")
     try:
         run = _give_up_then_sentinel(consumer, producer, "stalled", gap_s=2.0)
     finally:
         producer.stop()
-    _assert_fenced(run, "stalled")
-    # reported no earlier than the lease plus the fence's drain
-    assert run["reported_after"] >= DRAIN_S
+        consumer.stop()
+    assert run["failed"] == {"stalled"} and not run["finished"]
+    assert run["reported_after"] < LEASE_S + 1.0, "reported after the acknowledgement, not the bound"
+    assert run["sentinel_layers"] == [True] * LAYERS, f"a write landed after the report: {run}"
+    assert run["outside_untouched"]
+    assert run["producer_failed"] == ["stalled"]
+    assert run["producer_stats"]["failed_revoked"] == 1
+    assert run["consumer_stats"]["fenced"] == 1 and run["consumer_stats"]["revokes_acknowledged"] == 1
 
 
-def test_a_frozen_producer_writes_nothing_when_it_resumes(consumer):
-    """SIGSTOP past two leases, then SIGCONT, repeated: every time the resumed producer
-    finds its write lease over and writes no further layer."""
-    producer = _producer(write_lease=True)
+@pytest.mark.parametrize("fence", ["full", "lease"])
+def test_a_frozen_producer_writes_nothing_when_it_resumes(consumer, fence):
+    """SIGSTOP past two leases, then SIGCONT, repeated: the frozen producer cannot
+    acknowledge, so the consumer reports at the bound (lease end + drain); every time,
+    the resumed producer finds the request revoked (``full``) or, with revokes ignored
+    (``lease``), its write lease over, and writes no further layer."""
+    producer = _producer(fence=fence)
     try:
-        peer_runs = [_give_up_then_sentinel(consumer, producer, f"frozen-{i}", gap_s=0.3,
-                                            freeze_s=2 * LEASE_S + DRAIN_S)
-                     for i in range(FROZEN_REPEATS)]
+        runs = [_give_up_then_sentinel(consumer, producer, f"frozen-{i}", gap_s=0.3,
+                                       freeze_s=2 * LEASE_S + DRAIN_S)
+                for i in range(FROZEN_REPEATS)]
     finally:
         producer.stop()
-    for i, run in enumerate(peer_runs):
+    for i, run in enumerate(runs):
         assert run["failed"] == {f"frozen-{i}"}
         assert run["sentinel_layers"] == [True] * LAYERS, f"run {i}: a write landed after the report"
         assert run["outside_untouched"]
         assert run["producer_failed"] == [f"frozen-{i}"]
-    print(f"{FROZEN_REPEATS} freezes: reported after "
-          f"{sorted(round(r['reported_after'], 2) for r in peer_runs)} s, 0 sentinel bytes overwritten")
+        assert run["reported_after"] >= DRAIN_S  # the bound: nobody acknowledged
+    stats = runs[-1]["producer_stats"]
+    if fence == "lease":
+        assert stats["write_lease_ended"] == FROZEN_REPEATS and stats["failed_revoked"] == 0
+    else:
+        assert stats["write_lease_ended"] + stats["failed_revoked"] == FROZEN_REPEATS
+    print(f"{FROZEN_REPEATS} freezes ({fence}): reported after "
+          f"{sorted(round(r['reported_after'], 2) for r in runs)} s, 0 sentinel bytes overwritten; "
+          f"stopped by the write lease {stats['write_lease_ended']}x, by the revoke {stats['failed_revoked']}x")
 
 
-FROZEN_REPEATS = 20
+FROZEN_REPEATS = 10  # per fence mode: 20 freezes in all
 
 
 @pytest.mark.parametrize("freeze", [False, True], ids=["stalled", "frozen"])
 def test_negative_control_without_the_write_lease_the_sentinel_is_overwritten(consumer, freeze):
-    producer = _producer(write_lease=False)
+    producer = _producer(fence="off")
     try:
         run = _give_up_then_sentinel(consumer, producer, "unfenced", gap_s=2.0 if not freeze else 0.3,
                                      freeze_s=(2 * LEASE_S + DRAIN_S) if freeze else 0.0)

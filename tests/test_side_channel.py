@@ -209,6 +209,39 @@ def test_prefill_answers_which_transfers_it_still_owes_and_refuses_settled_ones(
         blackhole.close()
 
 
+@pytest.mark.parametrize("auth", [None, FleetAuth(KEY, skew_s=5.0)], ids=["plain", "signed"])
+def test_a_transfer_is_bound_to_its_first_destination(auth):
+    """P binds a transfer id to the first destination it accepts: the same post again
+    (D retried after a lost answer) is accepted, a post naming other blocks or another
+    D is refused and counted, before and after the scheduler took it, and a settled
+    transfer refuses both. Nobody who learns an id can redirect its KV."""
+    server = DestinationServer("127.0.0.1", 0, auth=auth)
+    results = Results()
+    poster = DestinationPoster(results, timeout_s=1.0, retries=0, auth=auth)
+    thief = dict(DEST, peers=[{"engine_id": "thief"}])
+    try:
+        assert post_latency(poster, server.address, results, "t")[0] is not None
+        results.items.clear()
+        assert post_latency(poster, server.address, results, "t")[0] is not None  # a retry
+        for taken in (False, True):
+            if taken:
+                assert server.take("t") == {"block_ids": [4, 5], "start_token": 0,
+                                            "peers": [{"engine_id": "d"}]}
+            for other in (thief, dict(DEST, block_ids=[6, 7])):
+                results.items.clear()
+                poster.post(server.address, dict(other, transfer_id="t"))
+                assert results.wait_for("t")[1] is None  # refused
+        assert server.take("t") is None  # the refused posts did not replace it
+        server.settle("t")
+        results.items.clear()
+        assert post_latency(poster, server.address, results, "t")[0] is None  # settled
+        counts = server.counters()
+        assert counts["bound"] == 4 and counts["accepted"] == 2 and counts["settled"] == 1, counts
+    finally:
+        poster.close()
+        server.close()
+
+
 def test_a_malformed_liveness_question_is_refused_and_counted():
     server = DestinationServer("127.0.0.1", 0)
     try:

@@ -25,6 +25,7 @@ BUDGET = 256
 PROMPT_LENS = [200, 700]  # 700: three chunks, boundaries inside blocks
 NEW_TOKENS = 5
 LEASE_S = 20.0  # a loaded 2-core machine runs a TP engine's first steps slowly
+FENCE_DRAIN_S = 5.0  # D keeps a killed P's blocks this long (docs/connector.md, "The fence")
 PAIRS = [("P2", "D2"), ("P2", "D1"), ("P1", "D2")]
 
 
@@ -48,7 +49,7 @@ def cluster():
     def consumer(name, tp):
         return offline.Engine(name, dict(base, **offline.tensor_parallel(tp), kv_transfer_config=dict(
             kvops, kv_role="kv_consumer", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"connector": {"lease_s": LEASE_S}})))
+            kv_connector_extra_config={"connector": {"lease_s": LEASE_S, "fence_drain_s": FENCE_DRAIN_S}})))
 
     engines = {"P2": producer("P2", 2), "P1": producer("P1", 1), "D2": consumer("D2", 2),
                "D1": consumer("D1", 1)}

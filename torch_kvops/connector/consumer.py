@@ -20,7 +20,10 @@ producer may still write (its lease expired, its producer's connection ended, a
 failure notice that says writes may be in flight, an integrity failure mid-push) is
 *revoked*: no notice, begin or scatter for it is accepted any more, and its blocks
 stay out of the engine's hands (``fenced`` counts them) until ``fence_drain_s`` after
-the later of now and the end of its write lease. Only then is it reported failed.
+the later of now and the end of its write lease. Only then is it reported failed,
+unless the producer answers the ``revoke`` this side sends it first: ``revoked`` says
+it writes no more of the request and whether a failed write of it may still land; if
+none may, the request is reported at once.
 """
 from __future__ import annotations
 
@@ -62,6 +65,7 @@ class _Incoming:
     # revoked: reported failed at this time, when no write of its producer can land
     fenced_until: Optional[float] = None
     trust_landed: bool = True  # the landed chunks it will report when the fence ends
+    revoke_sent: bool = False  # the producer was asked to stop and acknowledge
 
     @property
     def live(self) -> bool:
@@ -176,6 +180,8 @@ class ConsumerSide(ConsumerIntegrity):
             self._layer_digests(message, session)
         elif op in ("chunk", "failed"):
             self._request_notice(op, str(message["req"]), message, session)
+        elif op == "revoked":
+            self._revoke_acknowledged(str(message["req"]), message.get("in_flight"), session)
         else:
             raise ValueError(f"unknown control message {op!r}")
 
@@ -250,8 +256,10 @@ class ConsumerSide(ConsumerIntegrity):
                                      after_grant=False)
                 return
             entry.chunks += 1
-            entry.bytes += int(message.get("bytes", 0))
-            problem = self._note_landed(entry, message) or self._chunk_digested(entry, message)
+            problem = _byte_count_problem(message, entry.step_dst)
+            if problem is None:
+                entry.bytes += message["bytes"]
+            problem = problem or self._note_landed(entry, message) or self._chunk_digested(entry, message)
             if problem is not None:
                 self._fail_integrity_locked(req_id, problem)
                 return
@@ -297,6 +305,21 @@ class ConsumerSide(ConsumerIntegrity):
                     "for it can still land", req_id, entry.fenced_until - time.monotonic(),
                     entry.owner.producer)
 
+    def _revoke_acknowledged(self, req_id: str, in_flight, session: Session) -> None:
+        """The producer stopped writing a revoked request: report it now if no failed
+        write of it may still land, else ``fence_drain_s`` from now at the latest."""
+        with self._ledger.lock:
+            entry = self._incoming.get(req_id)
+            if entry is None or entry.live or entry.owner is not session:
+                self._stats.add(control_not_owner=1)
+                log.warning("producer %s acknowledged a revoke of %s it was not sent", session.producer, req_id)
+                return
+            self._stats.add(revokes_acknowledged=1)
+            if in_flight is False:
+                self._end_locked(req_id, ok=False, trust_landed=entry.trust_landed)
+            else:
+                entry.fenced_until = min(entry.fenced_until, time.monotonic() + self._config.fence_drain_s)
+
     def _end_locked(self, req_id: str, ok: bool, trust_landed: bool = True) -> None:
         """Under the ledger lock: report the request once and forget its blocks. A
         failed request keeps the list of chunks that landed whole (landed_chunks)."""
@@ -329,16 +352,26 @@ class ConsumerSide(ConsumerIntegrity):
             self._staging.release(session.producer)
 
     def _expire_leases(self) -> None:
+        """Control server thread, every tick: give up on expired leases, report revoked
+        requests whose fence ended, and ask producers to stop revoked requests (sent
+        outside the ledger lock: a failed send drops the session, which takes it)."""
         now = time.monotonic()
+        revokes = []
         with self._ledger.lock:
             for req_id, entry in list(self._incoming.items()):
-                if not entry.live:
-                    if entry.fenced_until < now:
-                        self._end_locked(req_id, ok=False, trust_landed=entry.trust_landed)
-                elif entry.deadline < now and not entry.verifying:
+                if entry.live and entry.deadline < now and not entry.verifying:
                     log.warning("request %s: lease expired before it finished", req_id)
                     self._stats.add(failed_lease_expired=1)
                     self._give_up_locked(req_id)
+                if entry.live or self._incoming.get(req_id) is not entry:
+                    continue
+                if entry.fenced_until < now:
+                    self._end_locked(req_id, ok=False, trust_landed=entry.trust_landed)
+                elif not entry.revoke_sent:
+                    entry.revoke_sent = True
+                    revokes.append((entry.owner, req_id))
+        for session, req_id in revokes:
+            session.reply({"op": "revoke", "req": req_id})
 
     # ------------------------------------------------------------------ shutdown
 
@@ -362,6 +395,17 @@ class ConsumerSide(ConsumerIntegrity):
             except (OSError, RuntimeError) as exc:
                 problems.append(f"release failed: {exc}")
         return problems
+
+
+def _byte_count_problem(message: dict, step_dst: List[int]) -> Optional[str]:
+    """A chunk notice's byte count must be a count, and zero exactly when the step's
+    begin named no destination blocks for the request."""
+    count = message.get("bytes")
+    if type(count) is not int or count < 0:
+        return f"chunk notice with a malformed byte count {count!r}"
+    if (count == 0) != (not step_dst):
+        return f"chunk notice of {count} bytes for {len(step_dst)} destination blocks"
+    return None
 
 
 def _block_list(value) -> List[int]:

@@ -116,7 +116,8 @@ class ConsumerIntegrity:
         not all digested where the check is on (either side asked for it)."""
         layers, entry.digested_layers = entry.digested_layers, set()
         checked = entry.digest_mode is not None or self._config.integrity_mode != "off"
-        if not checked or int(message.get("bytes", 0)) == 0:
+        # what the begin named, not what the notice claims: a notice cannot opt out
+        if not checked or not entry.step_dst:
             return None
         missing = sorted(set(range(len(self._caches))) - layers)
         if missing:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -46,6 +46,8 @@ class PeerLink:
         self.write_until = 0.0
         # When a write last failed: its bytes may still land (Mooncake#4247)
         self.last_write_error_at: Optional[float] = None
+        # Requests the consumer revoked (it gave up on them), not yet acknowledged
+        self.revoked: Set[str] = set()
         # Set when this link sends digests of what it pushed (integrity.py).
         self.digester: Optional[BlockDigester] = None
         # (layer, claimed slots, gather) started while the previous layer was on the wire
@@ -118,16 +120,46 @@ class PeerLink:
                 return None
             if message is None:
                 continue
-            if message.get("op") == "ack" and self.staging is not None:
-                self.staging.busy[int(message["slot"])] = False
-                if message.get("refused"):
-                    # The consumer no longer has a request of ours there (lease expired):
-                    # it did not move the bytes and will not report the request finished.
-                    self._stats.add(scatter_refused=1)
-                    log.warning("peer %s refused a scatter into blocks of a request it no longer "
-                                "has in flight", self.peer_id)
+            self._note(message)
             if done(message):
                 return message
+
+    def poll(self) -> None:
+        """Between steps: read what the consumer sent meanwhile (revokes), without
+        waiting; a broken channel makes the peer dead."""
+        while not self.dead:
+            try:
+                message = self.control.receive(0.001)
+            except ConnectionError as exc:
+                self.dead = f"control channel failed: {exc}"
+                return
+            if message is None:
+                return
+            self._note(message)
+
+    def acknowledge_revokes(self) -> Set[str]:
+        """Tell the consumer we write nothing more of the requests it revoked, and
+        whether a failed write to it may still land; returns those requests."""
+        revoked, self.revoked = self.revoked, set()
+        for req_id in sorted(revoked):
+            try:
+                self.send({"op": "revoked", "req": req_id, "in_flight": self.writes_may_be_in_flight()})
+            except PeerFailed:
+                break  # the consumer's fence bound covers the rest
+        return revoked
+
+    def _note(self, message: dict) -> None:
+        """Handle what may arrive at any time: staging acks and revokes."""
+        if message.get("op") == "revoke" and isinstance(message.get("req"), str):
+            self.revoked.add(message["req"])
+        if message.get("op") == "ack" and self.staging is not None:
+            self.staging.busy[int(message["slot"])] = False
+            if message.get("refused"):
+                # The consumer no longer has a request of ours there (lease expired):
+                # it did not move the bytes and will not report the request finished.
+                self._stats.add(scatter_refused=1)
+                log.warning("peer %s refused a scatter into blocks of a request it no longer "
+                            "has in flight", self.peer_id)
 
     # ------------------------------------------------------------------ data
 

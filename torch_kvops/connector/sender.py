@@ -71,6 +71,7 @@ class StepSender:
                 try:
                     step = self._steps.get(timeout=0.1)
                 except queue.Empty:
+                    self._handle_revokes(None)
                     continue
                 if step is None:
                     break
@@ -110,6 +111,8 @@ class StepSender:
                     layer = self._events.next_ready(timeout=0.05)
                     t0 = time.perf_counter()
                     if layer is None:
+                        if self._handle_revokes(step):
+                            by_layer = self._step_descriptors(step)
                         if time.monotonic() > deadline:
                             self._fail_step(step, f"layers {sorted(remaining)} not pushed within "
                                                   f"{self._config.step_timeout_s} s")
@@ -122,6 +125,8 @@ class StepSender:
                     self._fail_step(step, f"layer {layer}'s event did not complete")
                     return
                 t1 = time.perf_counter()
+                if self._handle_revokes(step):
+                    by_layer = self._step_descriptors(step)
                 lookahead, prefetch = self._peek_next(remaining - {layer})
                 staged = []
                 for peer_id, blocks, descriptors in by_layer(layer):
@@ -176,6 +181,36 @@ class StepSender:
                 for req_id in rejected:
                     self._ledger.report(req_id, ok=False)
                 step.plan.drop(rejected)
+
+    def _handle_revokes(self, step: Optional[_Step]) -> bool:
+        """Read what consumers sent (between steps, or between a step's layers) and
+        stop the requests they revoked: drop them from the step, acknowledge (no write
+        of them starts after this), report them failed. True if the step changed."""
+        with self._ledger.lock:
+            peers = list(self._peers.values())
+        changed = False
+        for peer in peers:
+            if peer.dead:
+                continue
+            peer.poll()
+            if not peer.revoked:
+                continue
+            may_land = peer.writes_may_be_in_flight()
+            revoked = peer.acknowledge_revokes()
+            entries = step.plan.by_peer.get(peer.peer_id, []) if step is not None else []
+            in_step = {req.req_id for req, _, _ in entries} & revoked
+            if in_step:
+                step.plan.drop(in_step)
+                peer.drop_prefetch()  # gathered for the blocks of the old plan
+                changed = True
+            for req_id in sorted(revoked):
+                with self._ledger.lock:
+                    ours = self._ledger.in_flight.get(req_id) == peer.peer_id
+                if ours:
+                    log.warning("peer %s revoked request %s: stopped", peer.peer_id, req_id)
+                    self._stats.add(failed_revoked=1)
+                    self._ledger.report(req_id, ok=False, delay=self._config.quarantine_s if may_land else 0.0)
+        return changed
 
     def _step_descriptors(self, step: _Step):
         """Per peer, the step's block ids concatenated over requests, so each layer is

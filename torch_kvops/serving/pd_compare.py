@@ -54,6 +54,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ap.add_argument("--modes", default="layerwise,after_forward",
                     help="P/D push modes to run (the first one is checked for tokens)")
     ap.add_argument("--lease-s", type=float, default=6.0, help="D gives up on a silent P after this")
+    ap.add_argument("--fence-drain-s", type=float, default=None,
+                    help="D's fence_drain_s (ConnectorConfig's default if not given)")
     ap.add_argument("--kill-prefill", action="store_true",
                     help="finally kill P in the middle of the longest prompt's prefill")
     ap.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of P")
@@ -116,8 +118,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
         "bootstrap_endpoint": False,  # our proxy posts to the side channel itself
         "connector": {"transfer_timeout_s": 5.0, "max_retries": 1, "quarantine_s": 0.2}})
     decode_cfg = dict(kvops, kv_role="kv_consumer", kv_load_failure_policy="recompute",
-                      kv_connector_extra_config={"connector": {"lease_s": args.lease_s,
-                                                               "integrity_check": args.integrity}})
+                      kv_connector_extra_config={"connector": dict(
+                          {"lease_s": args.lease_s, "integrity_check": args.integrity},
+                          **({} if args.fence_drain_s is None else {"fence_drain_s": args.fence_drain_s}))})
     producer_addr = f"127.0.0.1:{side_port}"
 
     if args.threads:  # read by each engine's OpenMP runtime when it starts (spawn)
@@ -285,7 +288,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 "p_chunks": -(-lens[i] // args.max_num_batched_tokens),
                 "p_exitcode": engines["P"].proc.exitcode,
                 "d_finished_after_kill_s": round(out["t_done"] - killed, 3),
-                "lease_s": args.lease_s, "d_finish_reason": out["finish_reason"],
+                "lease_s": args.lease_s, "fence_drain_s": args.fence_drain_s,
+                "d_finish_reason": out["finish_reason"],
                 "d_tokens_match": out["tokens"] == ref_tokens[i],
                 "d_local_prompt_tokens": local_prompt_tokens(out),
             }

@@ -10,7 +10,10 @@ import traceback
 from .worker import WorkerProcess, serve
 
 
-def producer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, write_lease: bool):
+FENCES = ("full", "lease", "off")  # the producer's side of the fence: what a test leaves on
+
+
+def producer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, fence: str):
     import torch
 
     from ..connector import ConnectorConfig, LayerwiseConnector
@@ -19,7 +22,11 @@ def producer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, writ
     from ..transports import MooncakeTransport
 
     try:
-        if not write_lease:  # negative control only: the producer ignores its write lease
+        # Tests only: "lease" ignores the consumer's revokes (the write lease alone
+        # stops the producer); "off" ignores both (negative control).
+        if fence in ("lease", "off"):
+            PeerLink.acknowledge_revokes = lambda self: set()
+        if fence == "off":
             PeerLink.check_write_lease = lambda self, what: None
         caches = [torch.zeros(num_blocks, *block_shape) for _ in range(num_layers)]
         transport = MooncakeTransport(host="127.0.0.1")
@@ -58,7 +65,8 @@ def producer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, writ
 class ProducerProcess(WorkerProcess):
     """Handle on a producer process (``proc.pid`` for signals)."""
 
-    def __init__(self, num_layers, num_blocks, block_shape, timeout=60.0, write_lease=True,
-                 **config_kwargs):
-        super().__init__(producer_main, (num_layers, num_blocks, block_shape, config_kwargs, write_lease),
+    def __init__(self, num_layers, num_blocks, block_shape, timeout=60.0, fence="full", **config_kwargs):
+        if fence not in FENCES:
+            raise ValueError(f"fence must be one of {FENCES}, got {fence!r}")
+        super().__init__(producer_main, (num_layers, num_blocks, block_shape, config_kwargs, fence),
                          "producer", timeout)

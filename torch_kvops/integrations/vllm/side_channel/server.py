@@ -37,7 +37,7 @@ MAX_MESSAGE_BYTES = 4 << 20  # block ids of a very long prompt fit; anything lar
 MAX_PROBED = 4096  # transfer ids one liveness question may name
 REFUSALS = ("slow", "oversized", "malformed", "unsigned", "bad_signature", "stale", "replay",
             "replay_cache_full", "full", "too_many_connections", "closed_early", "tls_failed",
-            "settled")
+            "settled", "bound")
 
 
 @dataclass
@@ -87,6 +87,10 @@ class DestinationServer:
         # taken by the scheduler and not settled: tid -> forget after (monotonic)
         self._active: "OrderedDict[str, float]" = OrderedDict()
         self._settled: "OrderedDict[str, None]" = OrderedDict()  # the newest ``capacity``
+        # tid -> the destination it is bound to (its first accepted post), until settled:
+        # a post naming another destination for it is refused (a hijack, or an id two
+        # clients chose alike); the same post again (an answer lost, D retried) is not
+        self._bound: "OrderedDict[str, str]" = OrderedDict()
         self._counts: Dict[str, int] = dict.fromkeys(("accepted", "probes") + REFUSALS, 0)
         self._conns: "OrderedDict[socket.socket, _Conn]" = OrderedDict()  # oldest first
         self._stop = threading.Event()
@@ -120,6 +124,7 @@ class DestinationServer:
         with self._lock:
             self._dests.pop(transfer_id, None)
             self._active.pop(transfer_id, None)
+            self._bound.pop(transfer_id, None)
             self._settled[transfer_id] = None
             _trim(self._settled, self._capacity)
 
@@ -163,6 +168,7 @@ class DestinationServer:
         now = time.monotonic()
         while self._dests and next(iter(self._dests.values()))[0] < now:
             tid, _ = self._dests.popitem(last=False)
+            self._bound.pop(tid, None)
             log.warning("destination of %s expired unused", tid)
 
     def _serve(self) -> None:
@@ -304,12 +310,21 @@ class DestinationServer:
                 log.warning("side channel: destination of %s arrived after P settled it: refused", tid)
                 self._counts["settled"] += 1
                 return self._answer({"ok": False, "error": "settled"}, reply_to, b"settled")
+            fingerprint = json.dumps(dest, sort_keys=True)
+            if self._bound.get(tid, fingerprint) != fingerprint:
+                log.warning("side channel: a post for %s names another destination than the one it is "
+                            "bound to: refused", tid)
+                self._counts["bound"] += 1
+                return self._answer({"ok": False, "error": "bound"}, reply_to, b"bound")
             if tid not in self._dests and len(self._dests) >= self._capacity:
                 log.error("side channel full (%d destinations): refusing %s", self._capacity, tid)
                 self._counts["full"] += 1
                 full = True
             else:
                 self._dests[tid] = (time.monotonic() + self._ttl_s, dest)
+                self._bound[tid] = fingerprint
+                self._bound.move_to_end(tid)
+                _trim(self._bound, 2 * self._capacity)  # posted and taken ones
                 self._counts["accepted"] += 1
                 full = False
         if full:
