@@ -142,3 +142,27 @@ def test_negative_control_without_the_write_lease_the_sentinel_is_overwritten(co
         producer.stop()
     assert run["failed"] == {"unfenced"}
     assert not all(run["sentinel_layers"]), "the control must see late writes land"
+
+
+def test_a_request_the_consumer_refused_before_it_began_is_never_written(consumer):
+    """The consumer's engine gave up on a transfer before any producer began it (its
+    post got no answer, and the producer may have accepted it all the same): the
+    producer's begin is refused, the producer fails the request and writes nothing."""
+    producer = _producer(fence="full")
+    try:
+        peer = producer.call("add_peer", consumer.info)
+        consumer.call("refuse", ["refused"])
+        consumer.call("fill", DST, SENTINEL)
+        finished, failed, stats = producer.call("push", "refused", peer, SRC, DST, PUSHED, 0.0)
+        assert failed == ["refused"] and finished == []
+        assert stats["bytes_sent"] == 0 and stats["failed_rejected_by_decode"] == 1
+        caches = consumer.call("caches")
+        assert all((c[DST] == SENTINEL).all() for c in caches)
+        # a request the consumer did not refuse goes through on the same link
+        consumer.call("expect", ["next"])
+        finished, failed, _ = producer.call("push", "next", peer, SRC, DST, PUSHED, 0.0)
+        assert finished == ["next"] and not failed
+        assert all((c[DST] == PUSHED).all() for c in consumer.call("caches"))
+        assert consumer.call("wait", ["next"], 5.0)[0] == {"next"}
+    finally:
+        producer.stop()

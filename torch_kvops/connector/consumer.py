@@ -131,6 +131,15 @@ class ConsumerSide(ConsumerIntegrity):
             if req_id not in self._incoming and not self._ledger.was_reported_locked(req_id):
                 self._incoming[req_id] = _Incoming(time.monotonic() + (lease_s or self._config.lease_s))
 
+    def refuse(self, req_ids) -> None:
+        """The engine gave up on these before they began (e.g. its post to the producer
+        timed out, and the producer may still have accepted it): a ``begin`` for any of
+        them is refused, so nothing is written into blocks the engine reuses."""
+        with self._ledger.lock:
+            for req_id in req_ids:
+                if req_id not in self._incoming:
+                    self._ledger.refuse_locked(req_id)
+
     def renew(self, req_id: str) -> bool:
         now = time.monotonic()
         with self._ledger.lock:

@@ -189,6 +189,14 @@ class LayerwiseConnector:
         self._require("consumer", registered=True)
         self._side.expect(req_id, lease_s)
 
+    def refuse(self, req_ids: Iterable[str]) -> None:
+        """Consumer: the engine will not wait for these requests (it gave up on them
+        before any began): a producer's ``begin`` for one of them is refused and the
+        producer fails it, so no byte of it lands in blocks the engine reuses. Ids
+        already expected or begun are left alone (their lease decides)."""
+        self._require("consumer", registered=True)
+        self._side.refuse(list(req_ids))
+
     def renew(self, req_id: str) -> bool:
         """Consumer: extend the lease of an expected request by ``lease_s`` (its
         producer said it lives and still owes the push), never past ``max_wait_s``

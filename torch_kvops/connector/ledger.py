@@ -101,6 +101,12 @@ class RequestLedger:
         if len(self._reported) > _REMEMBERED_IDS:
             self._reported.popitem(last=False)
 
+    def refuse_locked(self, req_id: str) -> None:
+        """Under ``lock``, consumer: remember the id as decided (failed) without
+        reporting it: the engine gave up on it before it began, so a ``begin`` for it
+        is refused like one for a reported request."""
+        self._remember_locked(req_id, False)
+
     def was_reported_locked(self, req_id: str) -> bool:
         return req_id in self._reported
 

@@ -61,6 +61,9 @@ def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, tran
         connector.close()
         transport.close()
 
+    def refuse(req_ids):
+        connector.refuse(req_ids)
+
     def renew(req_ids):
         return [connector.renew(req_id) for req_id in req_ids]
 
@@ -75,7 +78,7 @@ def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, tran
         started = time.monotonic()
         return connector.wait_for_finished(timeout), time.monotonic() - started
 
-    serve(pipe, {"expect": expect, "renew": renew, "wait": wait, "drain": drain, "stats": connector.stats,
+    serve(pipe, {"expect": expect, "refuse": refuse, "renew": renew, "wait": wait, "drain": drain, "stats": connector.stats,
                  "fill": fill,
                  "wait_for_finished": wait_for_finished,
                  "resources": process_resources, "landed": lambda: dict(landed),

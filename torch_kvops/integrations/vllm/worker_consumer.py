@@ -14,6 +14,8 @@ from .worker import KvopsWorker
 
 log = logging.getLogger(__name__)
 
+MAX_PREFILL_TP = 64  # the part ids refused for a request whose post got no answer
+
 
 class ConsumerWorker(KvopsWorker):
     """D's worker side, one per tensor-parallel rank."""
@@ -55,8 +57,11 @@ class ConsumerWorker(KvopsWorker):
 
     def _expect(self, req_id: str, transfer_id: str, prefill_tp: int, block_ids: List[int]) -> None:
         """Wait for the parts of ``transfer_id`` this rank receives (tp.py)."""
-        if prefill_tp <= 0:  # the destination never reached P: nothing will come
+        if prefill_tp <= 0:  # no answer from P: D recomputes and reuses the blocks
             log.warning("request %s: its destination was not accepted by the prefill side", req_id)
+            # P may have accepted it all the same (its answer lost or late): refuse any
+            # part of it this rank could be sent, so none is written into reused blocks
+            self.conn.refuse(part_id(transfer_id, p, self.tp_rank) for p in range(MAX_PREFILL_TP))
             self._ended_failed.add(req_id)
             return
         self._recv_blocks[req_id] = list(block_ids)
