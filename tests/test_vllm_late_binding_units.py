@@ -276,6 +276,27 @@ def test_bad_params_cost_their_request_only_on_both_schedulers(producer):
         d.shutdown()
 
 
+def test_decode_refuses_a_second_live_request_with_a_transfer_id_in_use():
+    """Two live requests with one transfer id would share one posting: one would never
+    get its KV and, aborted, never free its blocks. The second computes its prompt
+    locally and says why; once the first finished, the id may be used again."""
+    d = ConsumerScheduler(KvopsSettings(), block_size=32)
+    params = {"do_remote_prefill": True, "transfer_id": "t", "kvops_producer": "127.0.0.1:1"}
+    try:
+        first, second = _Request("a", params, 64), _Request("b", dict(params), 64)
+        assert d.get_num_new_matched_tokens(first, 0) == (64, True)
+        assert d.get_num_new_matched_tokens(first, 0) == (64, True)  # asked again: still its own
+        assert d.get_num_new_matched_tokens(second, 0) == (0, False)
+        held, out = d.request_finished(second)
+        assert not held and "used by another live request" in out["kvops_error"]
+        d.request_finished(first)
+        third = _Request("c", dict(params), 64)
+        assert d.get_num_new_matched_tokens(third, 0) == (64, True)
+        d.request_finished(third)
+    finally:
+        d.shutdown()
+
+
 def test_settings_accept_vllm_mooncake_keys_and_refuse_bad_bounds():
     s = KvopsSettings.from_extra({"bootstrap_server_address": "10.0.0.1:8998", "late_binding": False,
                                   "wait_for_decode_s": 5})
@@ -342,6 +363,32 @@ def test_a_held_request_is_pushed_without_a_forward(workers):
     for name in p_kv:
         assert torch.equal(d_kv[name][5:7], p_kv[name][1:3])
     assert p.get_finished(set())[0] == set()  # once
+
+
+def test_a_transfer_id_used_again_on_a_decode_rank_recomputes_instead_of_hanging(workers):
+    """A request whose transfer id this rank already used (its part was reported) can
+    never be reported again: it fails at once (recompute), and a push for it is refused."""
+    p, d, p_kv, d_kv = workers
+    _recv(d, "r1", "t", [5, 6])
+    meta = KvopsConnectorMetadata()
+    meta.push.append(PushReq("r1", "t", [d.peer_info()], [1, 2], [5, 6], True, "layerwise", finished=True))
+    p.begin_step(meta)
+    p.wait_for_save()
+    assert _until(lambda: d.get_finished(set())[1]) == {"r1"}
+    _recv(d, "r2", "t", [3, 4])  # the same transfer id again
+    recving, failed = set(), set()
+    for _ in range(3):
+        _, got, bad = d.get_finished(set())
+        recving, failed = recving | got, failed | bad
+    assert recving == failed == {"r2"}  # at once, not at a lease's end
+    before = [d_kv[name][3:5].clone() for name in d_kv]
+    again = KvopsConnectorMetadata()
+    again.push.append(PushReq("r2", "t", [d.peer_info()], [1, 2], [3, 4], True, "layerwise", finished=True))
+    p.begin_step(again)
+    p.wait_for_save()
+    _until(lambda: p.get_finished(set())[0] or True)
+    for name, old in zip(d_kv, before):
+        assert torch.equal(d_kv[name][3:5], old), "nothing may land for a reused id"
 
 
 def test_get_finished_before_wait_for_save_defers_aborts_and_frees(workers):

@@ -126,10 +126,13 @@ class ConsumerSide(ConsumerIntegrity):
         with self._ledger.lock:
             return sum(not entry.live for entry in self._incoming.values())
 
-    def expect(self, req_id: str, lease_s: Optional[float]) -> None:
+    def expect(self, req_id: str, lease_s: Optional[float]) -> bool:
         with self._ledger.lock:
-            if req_id not in self._incoming and not self._ledger.was_reported_locked(req_id):
+            if self._ledger.was_reported_locked(req_id):
+                return False
+            if req_id not in self._incoming:
                 self._incoming[req_id] = _Incoming(time.monotonic() + (lease_s or self._config.lease_s))
+            return True
 
     def refuse(self, req_ids) -> None:
         """The engine gave up on these before they began (e.g. its post to the producer

@@ -183,11 +183,13 @@ class LayerwiseConnector:
 
     # ------------------------------------------------------------------ consumer
 
-    def expect(self, req_id: str, lease_s: Optional[float] = None) -> None:
+    def expect(self, req_id: str, lease_s: Optional[float] = None) -> bool:
         """Consumer: start the lease of a request the engine waits for, so it is
-        reported failed if its producer never delivers (even if it never started)."""
+        reported failed if its producer never delivers (even if it never started).
+        False, and nothing started, if the id was already reported or refused here (an
+        id used twice): nothing will be reported for it again, so do not wait for it."""
         self._require("consumer", registered=True)
-        self._side.expect(req_id, lease_s)
+        return self._side.expect(req_id, lease_s)
 
     def refuse(self, req_ids: Iterable[str]) -> None:
         """Consumer: the engine will not wait for these requests (it gave up on them

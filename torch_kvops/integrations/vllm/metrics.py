@@ -41,8 +41,9 @@ _COUNTERS = {
     "producer": {"bytes_sent": "pushed_bytes", "layers_sent": "pushed_layers",
                  "steps": "push_steps", "retries": "retries", "transport_errors": "transport_errors",
                  "staged_writes": "staged_writes", "staging_waits": "staging_waits",
-                 "staging_wait_s": "staging_wait_s"},
-    "consumer": {"bytes_sent": "received_bytes"},
+                 "staging_wait_s": "staging_wait_s", "write_lease_ended": "write_lease_ended"},
+    "consumer": {"bytes_sent": "received_bytes", "fenced": "fenced",
+                 "revokes_acknowledged": "revokes_acknowledged"},
 }
 _BOTH = {"requests_finished": "requests_finished", "requests_failed": "requests_failed",
          "integrity_failures": "integrity_failures"}
@@ -219,6 +220,18 @@ class KvopsPromMetrics(KVConnectorPromMetrics):
                   "arrived, whose blocks it held (late binding)."),
         "holds_pushed": ("vllm:kvops_holds_pushed",
                          "Held requests pushed when their destination arrived (prefill)."),
+        "fenced": ("vllm:kvops_fenced",
+                   "Transfers given up on while the prefill side might still write, whose blocks "
+                   "were kept until no write could land (decode; docs/connector.md, the fence)."),
+        "revokes_acknowledged": ("vllm:kvops_revokes_acknowledged",
+                                 "Given-up transfers the prefill side acknowledged stopping, so "
+                                 "their blocks returned before the fence's bound (decode)."),
+        "write_lease_ended": ("vllm:kvops_write_lease_ended",
+                              "Writes not started because the decode side's write lease had "
+                              "ended (prefill)."),
+        "reused_transfer_ids": ("vllm:kvops_reused_transfer_ids",
+                                "Requests whose transfer id this decode rank had already used: "
+                                "recomputed (decode)."),
         "lease_renewals": ("vllm:kvops_lease_renewals",
                            "Leases renewed because the prefill engine said it still owes the "
                            "push, e.g. the request waits in its queue (decode)."),

@@ -66,6 +66,10 @@ class ConsumerScheduler:
         self._remote: Dict[str, DecodeParams] = {}  # validated, until its blocks are allocated
         self._settled: Set[str] = set()  # posted or refused: never a second transfer
         self._errors: Dict[str, str] = {}  # request id -> why its params were refused
+        # transfer id -> the live request on this instance that uses it: a second live
+        # request with the same id would share one posting and never get its KV
+        self._live_tids: Dict[str, str] = {}
+        self._tid_of: Dict[str, str] = {}  # request id -> its entry in _live_tids
         self._bad_params = 0  # refused since the last stats
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
@@ -78,20 +82,27 @@ class ConsumerScheduler:
             try:
                 remote = decode_params(request.kv_transfer_params)
             except BadTransferParams as exc:
-                log.error("request %s: bad kv_transfer_params (%s); computing the prompt locally",
-                          req_id, exc)
-                self._settled.add(req_id)
-                self._errors[req_id] = str(exc)
-                self._local_prompt[req_id] = (request, 0)
-                self._bad_params += 1
-                return 0, False
+                return self._refuse_params(request, str(exc))
             if remote is None:
                 return 0, False
+            if self._live_tids.setdefault(remote.transfer_id, req_id) != req_id:
+                return self._refuse_params(request, f"transfer_id {remote.transfer_id!r} is used by "
+                                                    f"another live request on this decode instance")
+            self._tid_of[req_id] = remote.transfer_id
             self._remote[req_id] = remote
         # The whole prompt comes from P; vLLM then recomputes the last prompt token to
         # sample the first output token (num_computed_tokens = prompt_len - 1).
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _refuse_params(self, request: "Request", why: str) -> Tuple[int, bool]:
+        """The request computes its prompt locally; its output names ``why`` (kvops_error)."""
+        log.error("request %s: %s; computing the prompt locally", request.request_id, why)
+        self._settled.add(request.request_id)
+        self._errors[request.request_id] = why
+        self._local_prompt[request.request_id] = (request, 0)
+        self._bad_params += 1
+        return 0, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -180,6 +191,9 @@ class ConsumerScheduler:
     def request_finished(self, request: "Request") -> Tuple[bool, Optional[Dict[str, Any]]]:
         req_id = request.request_id
         self._remote.pop(req_id, None)
+        tid = self._tid_of.pop(req_id, None)
+        if tid is not None:
+            del self._live_tids[tid]
         self._settled.discard(req_id)
         entry = self._local_prompt.pop(req_id, None)
         params = None if entry is None else {"kvops_local_prompt_tokens": entry[1]}

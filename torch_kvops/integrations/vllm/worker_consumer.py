@@ -75,10 +75,15 @@ class ConsumerWorker(KvopsWorker):
         left = self._recv_left[req_id] = set()
         for part in parts:
             early = self._early.pop(part, None)
-            if early is None:
+            if early is None and not self.conn.expect(part):
+                # an id this rank already reported or refused (a transfer id used again):
+                # nothing will come for it, so the request recomputes instead of waiting
+                log.error("request %s: transfer part %s was already used here: recomputing", req_id, part)
+                self.metrics.count("reused_transfer_ids")
+                self._part_failed(req_id, set())
+            elif early is None:
                 left.add(part)
                 self._recv_tid_to_req[part] = req_id
-                self.conn.expect(part)
             elif not early:
                 self._part_failed(req_id, self._part_valid.pop(part, set()))
         log.debug("expecting %s (%s) at %.4f", transfer_id, parts, time.monotonic())
