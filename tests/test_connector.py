@@ -202,6 +202,41 @@ def test_bad_plans_are_rejected_before_anything_is_sent(consumer, producer):
         assert (received[layer][1:] == -7.0).all()
 
 
+def test_a_refused_request_fails_alone_and_leaves_no_holes(consumer, producer):
+    """partial=True: a bad request is refused alone (the others go); its consumer hears
+    at once that it failed, keeping what landed before; its later chunks are dropped,
+    so no destination is filled around a missing chunk."""
+    conn, caches = producer
+    peer = conn.add_peer(consumer.info)
+    consumer.call("expect", ["ok", "cut", "clash"])
+    conn.start_step([TransferRequest("cut", peer, [0, 1], [20, 21], last_chunk=False)])
+    forward(conn, caches, [0, 1], seed=3)
+    conn.wait_for_save(timeout=30)
+    started = time.monotonic()
+    refused = conn.start_step([TransferRequest("ok", peer, [4, 5], [30, 31]),
+                               TransferRequest("cut", peer, [2, BLOCKS], [22, 23], last_chunk=False),
+                               TransferRequest("clash", peer, [6], [31])], partial=True)
+    assert set(refused) == {"cut", "clash"}
+    assert "out of range" in refused["cut"] and "named twice" in refused["clash"]
+    forward(conn, caches, [2, 4, 5, 6], seed=4)
+    conn.wait_for_save(timeout=30)
+    assert conn.start_step([TransferRequest("cut", peer, [3], [23])], partial=True) == {}
+    forward(conn, caches, [3], seed=5)
+    conn.wait_for_save(timeout=30)
+    assert conn.stats()["chunks_after_failure"] == 1  # cut's last chunk: dropped
+    finished, failed, _ = consumer.call("wait", ["ok", "cut", "clash"], 10.0)
+    assert finished == {"ok"} and failed == {"cut", "clash"}
+    assert time.monotonic() - started < 5.0, "the consumer heard at once, not at its lease"
+    assert consumer.call("landed") == {"cut": [[20, 21]], "clash": []}
+    received = consumer.call("caches")
+    for layer in range(LAYERS):
+        assert np.array_equal(received[layer][[30, 31]], caches[layer][[4, 5]].numpy())
+        assert np.array_equal(received[layer][[20, 21]], caches[layer][[0, 1]].numpy())
+        assert (received[layer][[22, 23]] == -7.0).all(), "a chunk after the refused one landed"
+    _, producer_failed = conn.get_finished()
+    assert producer_failed == {"cut", "clash"}
+
+
 def test_incompatible_peer_layout_rejected(producer):
     conn, _ = producer
     other = ConsumerProcess(LAYERS, BLOCKS, (2, 8, 8), **FAST)

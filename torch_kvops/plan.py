@@ -87,10 +87,12 @@ class KVLayout:
 
 @dataclass
 class StepPlan:
-    """A validated step: requests grouped by peer, with block ids as int64 arrays."""
+    """A validated step: requests grouped by peer, with block ids as int64 arrays, and
+    (``partial`` validation) the requests refused, each with the reason."""
 
     requests: List[TransferRequest]
     by_peer: Dict[str, List[Tuple[TransferRequest, np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    refused: Dict[str, Tuple[TransferRequest, str]] = field(default_factory=dict)
 
     def drop(self, req_ids: Set[str]) -> None:
         """Remove these requests (validated, but not to be sent) from the plan."""
@@ -100,43 +102,72 @@ class StepPlan:
 
 
 def validate_step(requests: Sequence[TransferRequest], local: KVLayout,
-                  peers: Dict[str, KVLayout], in_flight: Dict[str, str]) -> StepPlan:
-    """Raise ``ValueError`` for any bad request; return the plan otherwise.
+                  peers: Dict[str, KVLayout], in_flight: Dict[str, str],
+                  partial: bool = False) -> StepPlan:
+    """Return the plan; raise ``ValueError`` for a bad request, or with ``partial``
+    refuse that request alone (``plan.refused``) and plan the others.
 
-    Checked: unknown peer, length mismatch, block ids out of range locally or on the
-    peer, a destination block named twice for one peer in this step, a request id
-    twice in the step, and a request id already in flight with another peer.
+    Checked per request: unknown peer, length mismatch, block ids out of range locally
+    or on the peer, a destination block named twice for one peer in this step (the
+    later request naming it is the one refused). Always raised, whatever ``partial``
+    (ids are the engine's to keep unique): a request id twice in the step, a request id
+    already in flight with another peer.
     """
-    plan = StepPlan(requests=list(requests))
-    seen_ids = set()
+    plan = StepPlan(requests=[])
+    ids = [req.req_id for req in requests]
+    if len(set(ids)) != len(ids):
+        twice = next(r for r in ids if ids.count(r) > 1)
+        raise ValueError(f"request {twice!r} appears twice in one step")
     local_blocks = min(layer.num_blocks for layer in local.layers)
     for req in requests:
-        if req.req_id in seen_ids:
-            raise ValueError(f"request {req.req_id!r} appears twice in one step")
-        seen_ids.add(req.req_id)
-        if req.peer not in peers:
-            raise ValueError(f"request {req.req_id!r}: unknown peer {req.peer!r} (add_peer first)")
         if in_flight.get(req.req_id, req.peer) != req.peer:
             raise ValueError(f"request {req.req_id!r} is in flight to peer {in_flight[req.req_id]!r}, "
                              f"not {req.peer!r}")
-        src = _block_ids(req.req_id, "src_blocks", req.src_blocks)
-        dst = _block_ids(req.req_id, "dst_blocks", req.dst_blocks)
-        if src.shape != dst.shape:
-            raise ValueError(f"request {req.req_id!r}: {src.size} source blocks but "
-                             f"{dst.size} destination blocks")
-        peer_blocks = min(layer.num_blocks for layer in peers[req.peer].layers)
-        _check_range(req.req_id, "source", src, local_blocks, "locally")
-        _check_range(req.req_id, "destination", dst, peer_blocks, f"on peer {req.peer!r}")
+        try:
+            src, dst = _checked_blocks(req, local_blocks, peers)
+        except ValueError as exc:
+            if not partial:
+                raise
+            plan.refused[req.req_id] = (req, str(exc))
+            continue
         plan.by_peer.setdefault(req.peer, []).append((req, src, dst))
     for peer, entries in plan.by_peer.items():
         all_dst = np.concatenate([dst for _, _, dst in entries])
-        values, counts = np.unique(all_dst, return_counts=True)
-        if (counts > 1).any():
-            dup = int(values[counts > 1][0])
-            owners = [r.req_id for r, _, dst in entries if (dst == dup).any()]
-            raise ValueError(f"destination block {dup} on peer {peer!r} is named twice "
-                             f"(requests {owners})")
+        if np.unique(all_dst).size == all_dst.size:
+            continue  # the usual case: one vectorised check
+        named: Dict[int, str] = {}  # destination block -> the request naming it first
+        for req, _, dst in entries:
+            mine = dst.tolist()
+            clash = next((b for b in mine if b in named), None)
+            if clash is None and len(set(mine)) != len(mine):
+                clash = next(b for b in mine if mine.count(b) > 1)
+            if clash is None:
+                named.update(dict.fromkeys(mine, req.req_id))
+                continue
+            reason = (f"destination block {clash} on peer {peer!r} is named twice "
+                      f"(requests {sorted({named.get(clash, req.req_id), req.req_id})})")
+            if not partial:
+                raise ValueError(reason)
+            plan.refused[req.req_id] = (req, reason)  # the later request naming it
+        plan.by_peer[peer] = [e for e in entries if e[0].req_id not in plan.refused]
+    plan.requests = [req for req in requests if req.req_id not in plan.refused]
     return plan
+
+
+def _checked_blocks(req: TransferRequest, local_blocks: int,
+                    peers: Dict[str, KVLayout]) -> Tuple[np.ndarray, np.ndarray]:
+    """One request's (src, dst) block ids, or ValueError."""
+    if req.peer not in peers:
+        raise ValueError(f"request {req.req_id!r}: unknown peer {req.peer!r} (add_peer first)")
+    src = _block_ids(req.req_id, "src_blocks", req.src_blocks)
+    dst = _block_ids(req.req_id, "dst_blocks", req.dst_blocks)
+    if src.shape != dst.shape:
+        raise ValueError(f"request {req.req_id!r}: {src.size} source blocks but "
+                         f"{dst.size} destination blocks")
+    peer_blocks = min(layer.num_blocks for layer in peers[req.peer].layers)
+    _check_range(req.req_id, "source", src, local_blocks, "locally")
+    _check_range(req.req_id, "destination", dst, peer_blocks, f"on peer {req.peer!r}")
+    return src, dst
 
 
 def _block_ids(req_id: str, name: str, blocks) -> np.ndarray:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -156,11 +156,18 @@ class LayerwiseConnector:
 
     # ------------------------------------------------------------------ producer step
 
-    def start_step(self, requests: Iterable[TransferRequest]) -> None:
-        """Validate this step's requests (``ValueError``, nothing sent) and hand the
-        plan to the sender. Requests to a peer already given up on fail at once."""
+    def start_step(self, requests: Iterable[TransferRequest], partial: bool = False) -> Dict[str, str]:
+        """Validate this step's requests and hand the plan to the sender. Requests to a
+        peer already given up on fail at once.
+
+        A bad request (block ids out of range, a destination block another request of
+        the step names, an unknown peer) raises ``ValueError`` and nothing is sent; with
+        ``partial=True`` it is refused alone instead: reported failed (its consumer is
+        told, and it sends no later chunk, so no destination is left with holes) while
+        the others go. Returns the refused requests with the reason for each. A request
+        id twice in the step, or in flight to another peer, always raises."""
         self._require("producer", registered=True)
-        self._side.start_step(requests)
+        return self._side.start_step(requests, partial)
 
     def save_kv_layer(self, layer: int, kv_cache: torch.Tensor) -> None:
         """Model hook: call right after layer ``layer``'s KV write. Only issues two ops

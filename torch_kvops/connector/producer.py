@@ -133,14 +133,14 @@ class ProducerSide(StepSender):
 
     # ------------------------------------------------------------------ step (engine thread)
 
-    def start_step(self, requests: Iterable[TransferRequest]) -> None:
+    def start_step(self, requests: Iterable[TransferRequest], partial: bool = False) -> Dict[str, str]:
         self.raise_sender_error()
         if self._current is not None and not self._current.done.is_set():
             raise RuntimeError("the previous step is still sending: call wait_for_save() first")
         requests = list(requests)
         with self._ledger.lock:
             peers = {pid: p.layout for pid, p in self._peers.items()}
-            plan = validate_step(requests, self._layout, peers, self._ledger.in_flight)
+            plan = validate_step(requests, self._layout, peers, self._ledger.in_flight, partial)
             outcome = {req.req_id: self._ledger.outcome_locked(req.req_id) for req in requests}
             again = [r for r, ok in outcome.items() if ok]
             if again:
@@ -154,14 +154,20 @@ class ProducerSide(StepSender):
                 log.info("dropping later chunks of requests already reported failed: %s", sorted(late))
                 self._stats.add(chunks_after_failure=len(late))
                 plan.drop(late)
+                for req_id in late & set(plan.refused):
+                    del plan.refused[req_id]
             for req in plan.requests:
                 self._ledger.in_flight[req.req_id] = req.peer
+            # refused: failed on the sender thread, which tells their consumers first
+            for req_id, (req, _) in plan.refused.items():
+                self._ledger.in_flight[req_id] = req.peer
         # Pushes of a forward that ran without a step would be taken for this step's.
         while self._events.next_ready(timeout=0) is not None:
             self._stats.add(orphan_pushes=1)
         step = _Step(plan)
         self._current = step
         self._steps.put(step)
+        return {req_id: reason for req_id, (_, reason) in plan.refused.items()}
 
     def save_kv_layer(self, layer: int, kv_cache: torch.Tensor) -> None:
         ops.record_layer_event(kv_cache, self._events.handle, layer)

@@ -94,6 +94,7 @@ class StepSender:
 
     def _run_step(self, step: _Step) -> None:
         self._stats.add(steps=1)
+        self._fail_refused(step)
         self._begin_step(step)
         by_layer = self._step_descriptors(step)
         trace: List[dict] = []
@@ -162,6 +163,24 @@ class StepSender:
             return None, None
         taken = time.perf_counter()
         return (layer, taken), (layer if self._events.wait(layer, timeout=0) else None)
+
+    def _fail_refused(self, step: _Step) -> None:
+        """Requests ``start_step`` refused (``partial``): their consumers hear now that
+        they failed (a ``begin`` with no block claims the request on this link, so the
+        failure notice counts), and they are reported failed: a later chunk is dropped."""
+        for req_id, (req, reason) in step.plan.refused.items():
+            peer = self._peers.get(req.peer)
+            may_land = False
+            if peer is not None and not peer.dead:
+                may_land = peer.writes_may_be_in_flight()
+                try:
+                    if req_id not in peer.begin({req_id: np.zeros(0, dtype=np.int64)}):
+                        self._notify_failed(peer, req_id, f"refused by the producer: {reason}")
+                except PeerFailed as exc:
+                    log.warning("peer %s: failure of refused request %s not delivered: %s",
+                                req.peer, req_id, exc)
+            self._stats.add(failed_refused=1)
+            self._ledger.report(req_id, ok=False, delay=self._config.quarantine_s if may_land else 0.0)
 
     def _begin_step(self, step: _Step) -> None:
         """Announce each peer's requests; drop (and fail) those the peer no longer accepts."""

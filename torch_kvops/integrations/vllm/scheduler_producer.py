@@ -181,13 +181,17 @@ class ProducerScheduler:
                 dest = self.server.take(push.transfer_id)
                 if dest is not None:
                     self._bind(push, dest)
+        # Every destination is bound before any push is planned: a new destination that
+        # names a decode block ends the stale push owning it (_bind), so no step plans
+        # both.
+        held = self._bind_held()
         for req_id, push in self._pushes.items():
             if push.bound and not push.done:
                 req = push.request
                 # written by the end of this step: computed before it, plus its chunk
                 written = req.num_computed_tokens + out.num_scheduled_tokens.get(req_id, 0)
                 self._plan(push, min(written, req.num_prompt_tokens), None, meta)
-        self._push_held(meta)
+        self._push_held(held, meta)
         self._expire_holds(time.monotonic())
         meta.release, self._release = self._release, []
 
@@ -218,14 +222,26 @@ class ProducerScheduler:
                                  push.dst_blocks[first:last], push.done, push.push_mode, finished,
                                  block_offset=first - base, total_blocks=len(push.dst_blocks) - base))
 
-    def _push_held(self, meta: KvopsConnectorMetadata) -> None:
-        """Held requests whose destination arrived: every block at once."""
+    def _bind_held(self) -> List[Tuple[str, _Push]]:
+        """Held requests whose destination arrived, bound (no longer held)."""
+        bound = []
         for req_id, push in list(self._held.items()):
             dest = self.server.take(push.transfer_id)
-            if dest is None:
+            if dest is not None:
+                del self._held[req_id]
+                self._bind(push, dest)
+                bound.append((req_id, push))
+        return bound
+
+    def _push_held(self, held: List[Tuple[str, _Push]], meta: KvopsConnectorMetadata) -> None:
+        """Held requests bound this step: every block at once."""
+        for req_id, push in held:
+            if push.done:  # a destination bound after it named one of its blocks
+                self.server.settle(push.transfer_id)
+                self._release.append(req_id)
+                self._releasing.add(req_id)
+                self.counts.count("held_change", -1)
                 continue
-            del self._held[req_id]
-            self._bind(push, dest)
             self._plan(push, push.request.num_prompt_tokens, push.src_blocks, meta, finished=True)
             self.counts.count("held_change", -1)
             if push.emitted:

@@ -88,10 +88,14 @@ class ProducerWorker(KvopsWorker):
             log.debug("start_step %s at %.4f", [r.req_id for r in requests], time.monotonic())
             self._step_started = time.monotonic()
             try:
-                self.conn.start_step(requests)
-            except ValueError as exc:
+                # a bad part is refused alone: reported failed, its D told, no later chunk
+                refused = self.conn.start_step(requests, partial=True)
+            except ValueError as exc:  # ids, which this worker keeps unique: a bug
                 self._refuse_step(requests, exc)
                 return
+            if refused:
+                log.error("push parts refused, not pushed (decode recomputes them): %s", refused)
+                self.metrics.count("failed_refused_request", len(refused))
             # one mode per step: a step holding any after-forward request pushes after
             # the forward (a per-request split would need two steps' worth of pushes)
             self._step_mode = "after_forward" if "after_forward" in modes else "layerwise"
