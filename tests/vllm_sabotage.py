@@ -23,7 +23,12 @@ prefill engine:
   switched off, for negative controls);
 - ``no_release``: the worker reports in ``finished_sending`` only requests a push of
   which landed, so vLLM never frees the blocks of one whose transfer failed, was
-  refused or given up (P's release path broken).
+  refused or given up (P's release path broken);
+- ``freeze_mid_push``: once (a marker file next to the modes file records it), the
+  engine stops itself with SIGSTOP in the middle of a push step, after its second
+  attention layer was handed to the sender (a test resumes it with SIGCONT);
+- ``no_fence``: P's side of the fence is off: the sender ignores its write lease and
+  the decode side's revokes (docs/connector.md, "The fence").
 
 In a decode engine:
 
@@ -37,6 +42,7 @@ process (API server, engine core, workers): :func:`serving_env` gives a server t
 environment that installs it (``ServerSpec(env=...)``) for its role.
 """
 import os
+import signal
 import time
 
 _installed = False
@@ -105,6 +111,28 @@ def install(process_name: str) -> None:
 
     write = MooncakeTransport.write
     write_layer = PeerLink.write_layer
+    check_write_lease = PeerLink.check_write_lease
+    acknowledge_revokes = PeerLink.acknowledge_revokes
+    save_kv_layer = ProducerWorker.save_kv_layer
+
+    def sabotaged_check_write_lease(self, what):
+        if "no_fence" not in modes():
+            check_write_lease(self, what)
+
+    def sabotaged_acknowledge_revokes(self):
+        if "no_fence" in modes():
+            return set()
+        return acknowledge_revokes(self)
+
+    def sabotaged_save_kv_layer(self, layer_name):
+        save_kv_layer(self, layer_name)
+        marker = os.environ["KVOPS_SABOTAGE_FILE"] + ".frozen"
+        pushing = self._step_mode == "layerwise"
+        if pushing and "freeze_mid_push" in modes() and ".layers.1." in layer_name \
+                and not os.path.exists(marker):
+            open(marker, "w").close()
+            time.sleep(0.3)  # the sender writes the layers handed over so far
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     def sabotaged_write_layer(self, layer, *args, **kwargs):
         if "drop_layer" in modes() and layer == 1:
@@ -177,6 +205,9 @@ def install(process_name: str) -> None:
 
     MooncakeTransport.write = sabotaged_write
     PeerLink.write_layer = sabotaged_write_layer
+    PeerLink.check_write_lease = sabotaged_check_write_lease
+    PeerLink.acknowledge_revokes = sabotaged_acknowledge_revokes
+    ProducerWorker.save_kv_layer = sabotaged_save_kv_layer
     ProducerWorker.begin_step = sabotaged_begin_step
     ProducerWorker.get_finished = sabotaged_get_finished
     vllm_scheduler.ProducerScheduler.build_connector_meta = sabotaged_build_connector_meta

@@ -322,7 +322,11 @@ class ConsumerSide(ConsumerIntegrity):
         write of it may still land, else ``fence_drain_s`` from now at the latest."""
         with self._ledger.lock:
             entry = self._incoming.get(req_id)
-            if entry is None or entry.live or entry.owner is not session:
+            if entry is None:  # its fence ended first (the producer was frozen, say)
+                log.info("late acknowledgement of the revoke of %s from producer %s", req_id,
+                         session.producer)
+                return
+            if entry.live or entry.owner is not session:
                 self._stats.add(control_not_owner=1)
                 log.warning("producer %s acknowledged a revoke of %s it was not sent", session.producer, req_id)
                 return

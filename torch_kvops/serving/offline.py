@@ -108,6 +108,11 @@ def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
                 if cmd == "worker_pids":
                     pipe.send(("worker_pids", engine.collective_rpc(probes.worker_pid)))
                     continue
+                if cmd == "progress":  # ("progress", req_id): its output tokens so far, or None
+                    req = next((r for r in scheduler.requests.values()
+                                if r.request_id[:-9] == args[0]), None)
+                    pipe.send(("progress", None if req is None else req.num_output_tokens))
+                    continue
                 if cmd == "abort":  # ("abort", req_id): the engine drops the request
                     engine.abort_request([args[0]])
                     pipe.send(("abort", None))
