@@ -462,6 +462,8 @@ def test_stalled_write_times_out_and_pins_its_memory(transport):
         assert bound - 0.05 <= elapsed < bound + 1.0, f"took {elapsed:.2f}s"
         assert ei.value.transient is True
         assert transport.outstanding() > 0
+        assert transport.outstanding(p.address) == transport.outstanding()  # all toward this peer
+        assert transport.outstanding("127.0.0.1:1") == 0
         with pytest.raises(TransportError, match="still read by"):
             transport.unregister(src.ctypes.data, timeout_s=0.2)
         p.kill()  # left-over transfers now fail and release the memory

@@ -237,6 +237,14 @@ class LayerwiseConnector:
             return self._ledger.wait_for_news(timeout_s, lambda: side.in_flight > 0)
         return self._ledger.wait_for_news(timeout_s, lambda: bool(self._ledger.in_flight))
 
+    def outcome(self, req_id: str) -> Optional[bool]:
+        """True or False once the request's outcome is decided, also while its report
+        is held back (a transfer it left behind may still read its source); None while
+        it is in flight or was never sent. Each decided outcome is still reported once
+        by :meth:`get_finished`."""
+        with self._ledger.lock:
+            return self._ledger.outcome_locked(req_id)
+
     def landed_chunks(self, req_id: str) -> List[List[int]]:
         """Consumer: of a request the last :meth:`get_finished` reported failed, the
         destination blocks of each chunk whose every layer landed before the failure,

@@ -7,15 +7,29 @@ chunks of the request or a reused id cannot report it again.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
+log = logging.getLogger(__name__)
+
 # Reported ids remembered to refuse late notices; old ones are forgotten first.
 _REMEMBERED_IDS = 100_000
+HOLD_POLL_S = 0.05  # how often a held outcome asks whether its transfers still run
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Keep a failed request's outcome (and so its source blocks) back while
+    ``running()`` says transfers that may read them still run, at most ``cap_s``."""
+
+    running: Callable[[], bool]
+    cap_s: float
 
 
 class ConnectorStats:
@@ -65,21 +79,26 @@ class RequestLedger:
         self._stats = stats
         self._finished: Set[str] = set()
         self._failed: Set[str] = set()
-        self._delayed: List[Tuple[float, str, bool]] = []  # (due, req_id, ok): quarantined
+        # quarantined: (due, req_id, ok, hold or None, when the hold gives up)
+        self._delayed: List[Tuple[float, str, bool, Optional[Hold], float]] = []
         self._reported: "OrderedDict[str, bool]" = OrderedDict()  # req_id -> ok
         # consumer: failed requests -> destination blocks of each chunk that landed
         # whole, until drained; then kept for landed_chunks() until the next drain
         self._landed_pending: Dict[str, List[List[int]]] = {}
         self._landed: Dict[str, List[List[int]]] = {}
 
-    def report(self, req_id: str, ok: bool, delay: float = 0.0) -> None:
+    def report(self, req_id: str, ok: bool, delay: float = 0.0,
+               hold: Optional["Hold"] = None) -> None:
         """Producer: end an in-flight request (no-op if it already ended). With a
-        ``delay`` the outcome is held back that long (a failed write may still land)."""
+        ``delay`` the outcome is held back that long; with a ``hold``, also while its
+        ``running()`` says transfers that may read the request's source still run, up to
+        its cap (a failed write may still read its source and land, Mooncake#4247)."""
         with self.lock:
             if self.in_flight.pop(req_id, None) is None:
                 return
-            if delay > 0:
-                self._delayed.append((time.monotonic() + delay, req_id, ok))
+            if delay > 0 or hold is not None:
+                now = time.monotonic()
+                self._delayed.append((now + delay, req_id, ok, hold, now + (hold.cap_s if hold else 0.0)))
                 self._remember_locked(req_id, ok)
             else:
                 self.record_locked(req_id, ok)
@@ -119,9 +138,18 @@ class RequestLedger:
         """(finished, failed) since the last call, including quarantined outcomes now due."""
         now = time.monotonic()
         with self.lock:
-            for _, req_id, ok in [d for d in self._delayed if d[0] <= now]:
+            held = []
+            for entry in self._delayed:
+                due, req_id, ok, hold, cap = entry
+                if due > now or (hold is not None and now < cap and hold.running()):
+                    held.append(entry)
+                    continue
+                if hold is not None and now >= cap and hold.running():
+                    log.warning("request %s: reported after %.1f s while transfers that may read "
+                                "its source still run (the cap)", req_id, hold.cap_s)
+                    self._stats.add(quarantine_capped=1)
                 self.record_locked(req_id, ok)
-            self._delayed = [d for d in self._delayed if d[0] > now]
+            self._delayed = held
             finished, failed = self._finished, self._failed
             self._finished, self._failed = set(), set()
             self._landed = {r: self._landed_pending.pop(r) for r in failed if r in self._landed_pending}
@@ -134,7 +162,9 @@ class RequestLedger:
         deadline = time.monotonic() + timeout_s
         with self.lock:
             while not (self._finished or self._failed) and (self._delayed or busy()):
-                wake = min((due for due, _, _ in self._delayed), default=deadline)
+                # a hold is asked again every HOLD_POLL_S
+                wake = min((max(d[0], time.monotonic() + HOLD_POLL_S) if d[3] else d[0]
+                            for d in self._delayed), default=deadline)
                 wake = min(wake, deadline)
                 now = time.monotonic()
                 if wake <= now:
@@ -151,6 +181,6 @@ class RequestLedger:
     def release_delayed(self) -> None:
         """On close: report quarantined outcomes now (nobody will wait for them)."""
         with self.lock:
-            for _, req_id, ok in self._delayed:
+            for _, req_id, ok, _, _ in self._delayed:
                 self.record_locked(req_id, ok)
             self._delayed.clear()

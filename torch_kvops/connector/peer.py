@@ -15,7 +15,7 @@ from ..staging import ProducerStaging
 from ..transports.base import Transport, TransportError
 from .config import ConnectorConfig
 from .integrity import BlockDigester
-from .ledger import ConnectorStats
+from .ledger import ConnectorStats, Hold
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,6 @@ class PeerLink:
         # it. It counts the consumer's grant from before ``begin`` was sent, so it ends
         # no later than the consumer's lease does (docs/connector.md, "The fence").
         self.write_until = 0.0
-        # When a write last failed: its bytes may still land (Mooncake#4247)
-        self.last_write_error_at: Optional[float] = None
         # Requests the consumer revoked (it gave up on them), not yet acknowledged
         self.revoked: Set[str] = set()
         # Set when this link sends digests of what it pushed (integrity.py).
@@ -101,9 +99,18 @@ class PeerLink:
                              f"the blocks")
 
     def writes_may_be_in_flight(self) -> bool:
-        """True while a failed write of this peer may still land (within the fence)."""
-        return (self.last_write_error_at is not None
-                and time.monotonic() - self.last_write_error_at < self._config.fence_drain_s)
+        """True while transfers that failed or timed-out writes to this peer left behind
+        still run, by the transport's own tracking: they may still read their sources
+        and land at the peer (Mooncake#4247)."""
+        return self._transport.outstanding(self.data_address) > 0
+
+    def quarantine(self) -> Optional[Hold]:
+        """How long a request that ends now must keep its source blocks: while this
+        peer's left-behind transfers run, at most ``fence_drain_s`` (the bound the
+        consumer's fence assumes); None if none runs."""
+        if not self.writes_may_be_in_flight():
+            return None
+        return Hold(self.writes_may_be_in_flight, self._config.fence_drain_s)
 
     def _receive_until(self, done: Callable[[dict], bool]) -> Optional[dict]:
         """Read the peer's messages (staging acks are handled on the way) until
@@ -129,7 +136,7 @@ class PeerLink:
         waiting; a broken channel makes the peer dead."""
         while not self.dead:
             try:
-                message = self.control.receive(0.001)
+                message = self.control.receive(0.0)
             except ConnectionError as exc:
                 self.dead = f"control channel failed: {exc}"
                 return
@@ -189,7 +196,6 @@ class PeerLink:
                                       timeout_s=self._config.transfer_timeout_s)
                 return attempt
             except TransportError as exc:
-                self.last_write_error_at = time.monotonic()
                 self._stats.add(transport_errors=1)
                 if not exc.transient or attempt >= self._config.max_retries or self._stop.is_set():
                     raise self.give_up(f"layer {layer} write failed: {exc}") from exc

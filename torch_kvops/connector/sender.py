@@ -170,9 +170,7 @@ class StepSender:
         failure notice counts), and they are reported failed: a later chunk is dropped."""
         for req_id, (req, reason) in step.plan.refused.items():
             peer = self._peers.get(req.peer)
-            may_land = False
             if peer is not None and not peer.dead:
-                may_land = peer.writes_may_be_in_flight()
                 try:
                     if req_id not in peer.begin({req_id: np.zeros(0, dtype=np.int64)}):
                         self._notify_failed(peer, req_id, f"refused by the producer: {reason}")
@@ -180,7 +178,7 @@ class StepSender:
                     log.warning("peer %s: failure of refused request %s not delivered: %s",
                                 req.peer, req_id, exc)
             self._stats.add(failed_refused=1)
-            self._ledger.report(req_id, ok=False, delay=self._config.quarantine_s if may_land else 0.0)
+            self._ledger.report(req_id, ok=False, hold=peer.quarantine() if peer is not None else None)
 
     def _begin_step(self, step: _Step) -> None:
         """Announce each peer's requests; drop (and fail) those the peer no longer accepts."""
@@ -214,7 +212,6 @@ class StepSender:
             peer.poll()
             if not peer.revoked:
                 continue
-            may_land = peer.writes_may_be_in_flight()
             revoked = peer.acknowledge_revokes()
             entries = step.plan.by_peer.get(peer.peer_id, []) if step is not None else []
             in_step = {req.req_id for req, _, _ in entries} & revoked
@@ -228,7 +225,7 @@ class StepSender:
                 if ours:
                     log.warning("peer %s revoked request %s: stopped", peer.peer_id, req_id)
                     self._stats.add(failed_revoked=1)
-                    self._ledger.report(req_id, ok=False, delay=self._config.quarantine_s if may_land else 0.0)
+                    self._ledger.report(req_id, ok=False, hold=peer.quarantine())
         return changed
 
     def _step_descriptors(self, step: _Step):
@@ -282,15 +279,14 @@ class StepSender:
                                   "bytes": int(src.size) * bytes_per_block, "dst": dst.tolist()}
                         peer.send(notice)
                         if req.last_chunk:
-                            # a retried write's first attempt may still land late
-                            delay = self._config.quarantine_s if peer_id in step.retried_peers else 0.0
-                            self._ledger.report(req.req_id, ok=True, delay=delay)
+                            # a retried write's first attempt may still read its source
+                            self._ledger.report(req.req_id, ok=True, hold=peer.quarantine())
                         continue
                     except PeerFailed as exc:
                         step.failed_peers[peer_id] = str(exc)
                 self._notify_failed(peer, req.req_id, step.failed_peers[peer_id])
                 self._stats.add(failed_push=1)
-                self._ledger.report(req.req_id, ok=False, delay=self._config.quarantine_s)
+                self._ledger.report(req.req_id, ok=False, hold=peer.quarantine())
 
     def _notify_failed(self, peer: PeerLink, req_id: str, reason: Optional[str]) -> None:
         """Best effort: a broken channel fails at once (its socket is closed), and the

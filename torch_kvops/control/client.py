@@ -100,23 +100,27 @@ class ControlClient:
                                       f"failed: {exc}") from exc
 
     def receive(self, timeout_s: float) -> Optional[dict]:
-        """Next message from the peer, or None after ``timeout_s``; ConnectionError if
-        the peer closed the connection or broke the protocol (over-long line, bad JSON)."""
+        """Next message from the peer, or None after ``timeout_s`` (0: only what has
+        arrived already, without waiting); ConnectionError if the peer closed the
+        connection or broke the protocol (over-long line, bad JSON)."""
         with self._lock:
             if self._sock is None:
                 raise ConnectionError("control channel is closed")
             deadline = time.monotonic() + timeout_s
+            read = False
             while b"\n" not in self._inbox:
                 if len(self._inbox) > self._max_line:
                     self._close_locked()
                     raise ConnectionError(f"the peer sent a line longer than {self._max_line} bytes")
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 and read:
                     return None
-                self._sock.settimeout(remaining)
+                read = True
+                self._sock.settimeout(max(remaining, 0.0))  # 0.0: a non-blocking read
                 try:
                     data = self._sock.recv(1 << 16)
-                except socket.timeout:
+                except (socket.timeout, BlockingIOError, InterruptedError,
+                        ssl.SSLWantReadError, ssl.SSLWantWriteError):
                     return None
                 except OSError as exc:
                     self._close_locked()

@@ -73,6 +73,12 @@ class Transport(abc.ABC):
         unregistered memory) within about ``timeout_s``. Never reports partial success.
         """
 
+    def outstanding(self, peer: Optional[str] = None) -> int:
+        """Transfers (toward ``peer``, or any) that failed or timed-out writes left
+        running: they may still read their source and land at the peer. A transport
+        whose ``write`` ends every transfer it started returns 0."""
+        return 0
+
     @abc.abstractmethod
     def close(self) -> None:
         """Unregister everything this transport registered and release its resources.

@@ -244,7 +244,7 @@ class ProducerWorker(KvopsWorker):
         quarantine = self.conn.config.quarantine_s
         sending = {r for r, since in self._sched_finished.items()
                    if r not in self._step_reqs and r not in self._to_abort and (r in self._outcome or (
-                       r not in self._last_started and now - since >= quarantine))}
+                       r not in self._last_started and not self._parts.get(r) and now - since >= quarantine))}
         for req_id in sending:
             del self._sched_finished[req_id]
             self._parts_seen.pop(req_id, None)
@@ -282,7 +282,10 @@ class ProducerWorker(KvopsWorker):
         none of the blocks the scheduler frees."""
         parts = self._parts.get(req_id)
         for tid in list(parts or ()):
-            if self.conn.abort(tid, "the prefill engine finished the request before its last chunk"):
+            # an aborted part's failure comes back through get_finished once no transfer
+            # it left behind can read its source (the connector's quarantine)
+            if not self.conn.abort(tid, "the prefill engine finished the request before its last chunk") \
+                    and self.conn.outcome(tid) is None:  # never started: nothing reads for it
                 parts.discard(tid)
                 self._tid_to_req.pop(tid, None)
         if parts is not None and not parts:

@@ -10,7 +10,7 @@ wait (bounded) for the pins to go.
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .engine import PENDING
 
@@ -26,7 +26,7 @@ class SourcePins:
     def __init__(self, cond: threading.Condition):
         self._cond = cond
         self._count: Dict[int, int] = {}           # region ptr -> in-flight users
-        self._orphans: List[Tuple[int, int]] = []  # (batch id, region ptr) of abandoned writes
+        self._orphans: List[Tuple[int, int, str]] = []  # (batch id, region ptr, peer) of abandoned writes
 
     def pin_locked(self, region: int) -> None:
         """One more transfer (or write) reads ``region``."""
@@ -49,10 +49,10 @@ class SourcePins:
         """Drop ``region``'s entry (it is being unregistered and has no users)."""
         self._count.pop(region, None)
 
-    def orphan_locked(self, batch_id: int, region: int) -> None:
-        """A transfer a failed or timed-out write left behind: it reads ``region``
-        until Mooncake reports it finished."""
-        self._orphans.append((batch_id, region))
+    def orphan_locked(self, batch_id: int, region: int, peer: str) -> None:
+        """A transfer a failed or timed-out write to ``peer`` left behind: it reads
+        ``region`` until Mooncake reports it finished."""
+        self._orphans.append((batch_id, region, peer))
         self.pin_locked(region)
 
     def reap_locked(self, engine: Any) -> None:
@@ -60,16 +60,16 @@ class SourcePins:
         if not self._orphans or engine is None:
             return
         still = []
-        for bid, region in self._orphans:
+        for bid, region, peer in self._orphans:
             if engine.transfer_check_status(bid) == PENDING:
-                still.append((bid, region))
+                still.append((bid, region, peer))
             else:  # done, failed or timed out: nothing reads the source any more
                 self.unpin_locked(region)
         self._orphans = still
 
-    def orphans_locked(self) -> int:
-        """How many orphans were still running at the last reap."""
-        return len(self._orphans)
+    def orphans_locked(self, peer: Optional[str] = None) -> int:
+        """How many orphans (toward ``peer``, or any) were still running at the last reap."""
+        return sum(peer is None or o[2] == peer for o in self._orphans)
 
     def clear_locked(self) -> None:
         """Forget everything (the engine is being destroyed, which ends its transfers)."""

@@ -210,7 +210,7 @@ class MooncakeTransport(Transport):
         finally:
             with slot.cond:
                 for bid, _, r in session.inflight:  # left behind: still moving bytes
-                    self._pins.orphan_locked(bid, r)
+                    self._pins.orphan_locked(bid, r, peer)
                 for r in touched:
                     self._pins.unpin_locked(r)
                 slot.active_writes -= 1
@@ -222,11 +222,12 @@ class MooncakeTransport(Transport):
                       self.min_poll_interval_s, self.max_poll_interval_s)
 
     # ------------------------------------------------------------------ close
-    def outstanding(self) -> int:
-        """Transfers left behind by failed or timed-out writes that are still running."""
+    def outstanding(self, peer: Optional[str] = None) -> int:
+        """Transfers (toward ``peer``, or any) left behind by failed or timed-out
+        writes that are still running."""
         with self._slot.lock:
             self._pins.reap_locked(self._slot.engine)
-            return self._pins.orphans_locked()
+            return self._pins.orphans_locked(peer)
 
     def close(self, timeout_s: Optional[float] = None) -> None:
         """Stop accepting writes, wait (up to ``timeout_s``, default ``close_timeout_s``)
