@@ -237,6 +237,25 @@ def test_a_refused_request_fails_alone_and_leaves_no_holes(consumer, producer):
     assert producer_failed == {"cut", "clash"}
 
 
+def test_expect_after_a_fast_producer_finished_still_gets_the_report_and_a_reused_id_does_not(
+        consumer, producer):
+    """The engine may expect a request after its producer finished it (P was faster
+    than D's step): the next get_finished reports it. Once reported, the same id
+    expected again is refused (False): nothing would ever report it."""
+    conn, caches = producer
+    peer = conn.add_peer(consumer.info)
+    conn.start_step([TransferRequest("fast", peer, [0], [3])])
+    forward(conn, caches, [0], seed=1)
+    conn.wait_for_save(timeout=30)
+    deadline = time.monotonic() + 10
+    while consumer.call("stats")["requests_finished"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert consumer.call("expect", ["fast"]) == [True]
+    assert consumer.call("wait", ["fast"], 5.0)[0] == {"fast"}
+    assert consumer.call("expect", ["fast"]) == [False]
+
+
 def test_incompatible_peer_layout_rejected(producer):
     conn, _ = producer
     other = ConsumerProcess(LAYERS, BLOCKS, (2, 8, 8), **FAST)

@@ -115,7 +115,9 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity):
     def expect(self, req_id: str, lease_s: Optional[float]) -> bool:
         with self._ledger.lock:
             if self._ledger.was_reported_locked(req_id):
-                return False
+                # ended before the engine asked (a fast producer): the next
+                # get_finished reports it; reported and handed out before: a reused id
+                return self._ledger.undrained_locked(req_id)
             if req_id not in self._incoming:
                 self._incoming[req_id] = _Incoming(time.monotonic() + (lease_s or self._config.lease_s))
             return True

@@ -193,8 +193,10 @@ class LayerwiseConnector:
     def expect(self, req_id: str, lease_s: Optional[float] = None) -> bool:
         """Consumer: start the lease of a request the engine waits for, so it is
         reported failed if its producer never delivers (even if it never started).
-        False, and nothing started, if the id was already reported or refused here (an
-        id used twice): nothing will be reported for it again, so do not wait for it."""
+        True also when the request ended before this call (its producer was faster):
+        the next :meth:`get_finished` reports it. False, and nothing started, if the id
+        was refused, or reported by an earlier :meth:`get_finished` (an id used twice):
+        nothing will be reported for it again, so do not wait for it."""
         self._require("consumer", registered=True)
         return self._side.expect(req_id, lease_s)
 

@@ -126,6 +126,11 @@ class RequestLedger:
         is refused like one for a reported request."""
         self._remember_locked(req_id, False)
 
+    def undrained_locked(self, req_id: str) -> bool:
+        """Under ``lock``: decided, and not yet handed out by :meth:`drain`."""
+        return (req_id in self._finished or req_id in self._failed
+                or any(d[1] == req_id for d in self._delayed))
+
     def was_reported_locked(self, req_id: str) -> bool:
         return req_id in self._reported
 

@@ -33,8 +33,7 @@ def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, tran
     pipe.send(("ok", connector.peer_info()))
 
     def expect(req_ids):
-        for req_id in req_ids:
-            connector.expect(req_id)
+        return [connector.expect(req_id) for req_id in req_ids]
 
     landed = {}  # failed request -> its landed chunks (connector.landed_chunks)
 
