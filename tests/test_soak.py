@@ -1,6 +1,9 @@
 """Soak: hundreds of steps of random requests, some chunked over 2-3 steps, to two
 consumers, one SIGKILLed a third of the way in. Every id is reported exactly once on
 both sides, the live consumer's bytes are exact, and threads, fds and RSS stay flat.
+The live consumer's engine stand-in gives a request's destination blocks to later
+requests as soon as the consumer reports it (its pool is small, so they are reused
+many times over): a late byte of an earlier request would show in the final check.
 
 Bounded: SOAK_STEPS steps plus a few to finish the chunked requests, ~1 minute on the
 2-core CI machine. The engine stand-in frees a request's source blocks when the
@@ -19,6 +22,7 @@ from torch_kvops.testing.consumer_process import ConsumerProcess, process_resour
 
 SOAK_STEPS, KILL_AT, WARM_UP = 300, 100, 140
 LAYERS, SRC_BLOCKS, DST_BLOCKS, BLOCK_SHAPE = 2, 512, 6144, (2, 8, 16)  # 1 KiB blocks
+ALIVE_POOL = 512  # the live consumer's destination blocks, reused once reported
 CONFIG = dict(transfer_timeout_s=5.0, max_retries=1, retry_backoff_s=0.02, lease_s=30.0,
               control_timeout_s=5.0, quarantine_s=0.2, staging_slot_bytes=64 << 10,
               staging_slots=3)
@@ -45,7 +49,10 @@ def test_soak_two_consumers_one_killed():
         conn.register_kv_caches(caches)
         peers = {name: conn.add_peer(proc.info) for name, proc in consumers.items()}
         free_src = list(range(SRC_BLOCKS))
-        next_dst = {name: 0 for name in consumers}  # destination blocks are never reused
+        next_dst = 0  # the doomed consumer's destination blocks: never reused
+        free_dst = list(range(ALIVE_POOL))  # the live one's: reused once reported, newest first
+        rng.shuffle(free_dst)
+        reused = 0
         expected = {}  # alive consumer: dst block -> the value its layer-0 elements hold
         pending, all_reqs = [], {}
         producer_reports = collections.Counter()
@@ -77,11 +84,15 @@ def test_soak_two_consumers_one_killed():
             batch = []
             for req in list(pending):
                 n = rng.randint(1, 8)
-                if len(free_src) < n:
+                if len(free_src) < n or (req.consumer == "alive" and len(free_dst) < n):
                     continue  # the engine would wait for blocks: this chunk goes next step
                 src = [free_src.pop() for _ in range(n)]
-                dst = list(range(next_dst[req.consumer], next_dst[req.consumer] + n))
-                next_dst[req.consumer] += n
+                if req.consumer == "alive":
+                    dst = [free_dst.pop() for _ in range(n)]  # the last freed first
+                    reused += sum(d in expected for d in dst)
+                else:
+                    dst = list(range(next_dst, next_dst + n))
+                    next_dst += n
                 req.src += src
                 req.dst += dst
                 req.chunks_left -= 1
@@ -103,6 +114,8 @@ def test_soak_two_consumers_one_killed():
             if step % 10 == 0:
                 finished, failed = consumers["alive"].call("drain")
                 consumer_reports.update(finished + failed)
+                for req_id in finished + failed:  # the engine hands the blocks on
+                    free_dst.extend(all_reqs[req_id].dst)
             if step in (WARM_UP, SOAK_STEPS - 1):
                 samples[step] = {"producer": process_resources(),
                                  "consumer": consumers["alive"].call("resources")}
@@ -143,14 +156,16 @@ def test_soak_two_consumers_one_killed():
         for layer in range(LAYERS):
             got = received[layer][blocks].reshape(len(blocks), -1)
             assert (got == (values + layer)[:, None]).all(), f"layer {layer}: bytes differ"
-        assert (received[0][next_dst["alive"]:] == -7.0).all(), "nothing beyond the mapping"
+        unused = sorted(set(range(DST_BLOCKS)) - set(expected))
+        assert (received[0][unused] == -7.0).all(), "nothing beyond the mapping"
+        assert reused > 1000, f"destination blocks must be reused: {reused}"
         # Flat resources after warm-up.
         for side in ("producer", "consumer"):
             first, last = samples[WARM_UP][side], samples[SOAK_STEPS - 1][side]
             assert last["fds"] - first["fds"] <= FD_SLACK, (side, first, last)
             assert last["threads"] - first["threads"] <= THREAD_SLACK, (side, first, last)
             assert last["rss_kib"] - first["rss_kib"] <= RSS_SLACK_KIB, (side, first, last)
-        print(f"soak: {step} steps, {len(all_reqs)} requests, "
+        print(f"soak: {step} steps, {len(all_reqs)} requests, {reused} destination blocks reused, "
               f"{sum(not ok for ok in outcome.values())} failed, {time.monotonic() - started:.1f} s, "
               f"resources {samples}")
     finally:

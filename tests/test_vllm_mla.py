@@ -188,7 +188,10 @@ def test_latent_blocks_land_once_on_every_decode_rank_shared_by_the_prefill_rank
 def test_negative_controls_a_dropped_layer_or_shifted_blocks_fail_the_comparisons(cluster, mode):
     """The same checks with P1's pushes sabotaged: one layer's bytes never move, or
     every block lands one block off. D's latent then differs from P's (at the
-    sabotaged layer for drop_layer) and the tokens differ from the reference."""
+    sabotaged layer for drop_layer); with every block misplaced the tokens differ from
+    the reference too. A dropped layer leaves whatever D's blocks held, and on this
+    model one layer's latent does not always change the greedy tokens (seen: equal
+    tokens with layer 1 dropped), so the exact check is the control there."""
     i = PROMPT_LENS.index(max(PROMPT_LENS))
     cluster.switch.set(mode)
     try:
@@ -199,7 +202,8 @@ def test_negative_controls_a_dropped_layer_or_shifted_blocks_fail_the_comparison
     assert diff is not None, mode
     if mode == "drop_layer":
         assert diff["layer"] == 1, diff
-    assert out["tokens"] != cluster.case("decode", i)[1], mode
+    if mode == "rotate":
+        assert out["tokens"] != cluster.case("decode", i)[1], mode
     # unsabotaged again: the same request is right
     tid, out = cluster.push("prefill", "decode", i)
     assert out["tokens"] == cluster.case("decode", i)[1]

@@ -69,6 +69,7 @@ class _Conn:
 
     def expect(self, tid):
         self.expected.append(tid)
+        return True
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2), (2, 2)])

@@ -68,6 +68,25 @@ def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
         raise
     pipe.send(("ready", None))
     scheduler = engine.engine_core.engine_core.scheduler
+    # block ids of recent requests, noted when the scheduler hands them out: for "kv",
+    # the blocks of a finished request keep their bytes until another request reuses
+    # them (a request can be scheduled and finish within one step)
+    blocks_of: "OrderedDict[str, List[int]]" = OrderedDict()
+    schedule = scheduler.schedule
+
+    def schedule_and_note_blocks(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        for request in scheduler.requests.values():
+            ids = scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
+            if ids:
+                # vLLM appends "-" and 8 random characters to the id it was given
+                blocks_of[request.request_id[:-9]] = list(ids)
+                blocks_of.move_to_end(request.request_id[:-9])
+        while len(blocks_of) > 64:
+            blocks_of.popitem(last=False)
+        return out
+
+    scheduler.schedule = schedule_and_note_blocks
 
     def busy() -> bool:
         # like vLLM's engine-core loop: keep stepping while the connector still has push
@@ -75,9 +94,6 @@ def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
         return engine.has_unfinished_requests() or scheduler.has_requests()
 
     first: Dict[str, float] = {}
-    # block ids of recent requests (as of their last step), for "kv": the blocks of a
-    # finished request keep their bytes until another request reuses them
-    blocks_of: "OrderedDict[str, List[int]]" = OrderedDict()
     preemptions: Dict[str, int] = {}  # times the scheduler preempted a running request
     drain_deadline: Optional[float] = None
     idle_sleep = IDLE_SLEEP_MIN_S
@@ -132,14 +148,8 @@ def engine_main(pipe, engine_kwargs: dict, setup: Optional[str] = None) -> None:
             if not busy():
                 continue
             for request in scheduler.requests.values():
-                ids = scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
-                if ids:
-                    # vLLM appends "-" and 8 random characters to the id it was given
-                    blocks_of[request.request_id[:-9]] = list(ids)
                 if request.num_preemptions:
                     preemptions[request.request_id[:-9]] = request.num_preemptions
-            while len(blocks_of) > 64:
-                blocks_of.popitem(last=False)
             step_started = time.monotonic()
             outputs = engine.step()
             now = time.monotonic()
