@@ -12,6 +12,7 @@ producer's later layers overwrite the sentinel.
 """
 import os
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -166,3 +167,45 @@ def test_a_request_the_consumer_refused_before_it_began_is_never_written(consume
         assert consumer.call("wait", ["next"], 5.0)[0] == {"next"}
     finally:
         producer.stop()
+
+
+def _cut_control_connection(consumer) -> None:
+    """Kill the TCP connection of the producer's control channel to ``consumer`` (as a
+    network fault would: both ends see it reset), with ``ss -K``."""
+    port = consumer.info["control_address"].rsplit(":", 1)[1]
+    subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"], check=True,
+                   capture_output=True, timeout=10)
+
+
+@pytest.mark.parametrize("fence", ["full", "off"])
+def test_a_control_connection_cut_mid_push_lets_nothing_land_after_the_report(consumer, fence):
+    """The control connection breaks while the producer is still pushing (its layers come
+    slowly): the consumer fails the request when the connection ends, but reports it only
+    after the drain; the producer, finding its channel closed, writes no further layer.
+    Negative control (``off``: the producer ignores every sign that the consumer let
+    go): its later layers overwrite the sentinel."""
+    producer = _producer(fence=fence)
+    try:
+        peer = producer.call("add_peer", consumer.info)
+        consumer.call("expect", ["cut"])
+        producer.send("push", "cut", peer, SRC, DST, PUSHED, 2.0)
+        deadline = time.monotonic() + 10
+        while _layers_landed(consumer) < 1:
+            assert time.monotonic() < deadline, "layer 0 never landed"
+            time.sleep(0.01)
+        cut_at = time.monotonic()
+        _cut_control_connection(consumer)
+        _, failed, _ = consumer.call("wait", ["cut"], 10.0)
+        reported_after = time.monotonic() - cut_at
+        consumer.call("fill", DST, SENTINEL)
+        _, p_failed, _ = producer.reply(timeout=60)
+        sentinel = [bool((c[DST] == SENTINEL).all()) for c in consumer.call("caches")]
+        stats = consumer.call("stats")
+    finally:
+        producer.stop()
+    assert failed == {"cut"} and p_failed == ["cut"]
+    assert reported_after >= DRAIN_S and stats["failed_producer_gone"] == 1
+    if fence == "full":
+        assert sentinel == [True] * LAYERS, "a write landed after the report"
+    else:
+        assert not all(sentinel), "the control must see late writes land"

@@ -18,16 +18,19 @@ def producer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, fenc
 
     from ..connector import ConnectorConfig, LayerwiseConnector
     from ..connector.peer import PeerLink
+    from ..control import ControlClient
     from ..plan import TransferRequest
     from ..transports import MooncakeTransport
 
     try:
         # Tests only: "lease" ignores the consumer's revokes (the write lease alone
-        # stops the producer); "off" ignores both (negative control).
+        # stops the producer); "off" ignores every sign that the consumer let go: its
+        # revokes, the write lease, a closed control channel (negative control).
         if fence in ("lease", "off"):
             PeerLink.acknowledge_revokes = lambda self: set()
         if fence == "off":
             PeerLink.check_write_lease = lambda self, what: None
+            ControlClient.peer_closed = lambda self: False
         caches = [torch.zeros(num_blocks, *block_shape) for _ in range(num_layers)]
         transport = MooncakeTransport(host="127.0.0.1")
         connector = LayerwiseConnector("producer", transport, ConnectorConfig(**config_kwargs))
