@@ -41,6 +41,21 @@ class StagingGrant:
     def to_json(self) -> dict:
         return {"address": self.address, "slots": self.slots, "slot_blocks": self.slot_blocks}
 
+    @classmethod
+    def from_consumer(cls, grant, block_bytes: int, max_bytes: int) -> "StagingGrant":
+        """A grant as a consumer sent it, checked before it sizes anything here: whole
+        numbers, at least two slots of at least one block, and no more mirrored bytes
+        than ``max_bytes`` (this producer's own staging budget). ``ValueError`` else."""
+        if not isinstance(grant, dict) or set(grant) != {"address", "slots", "slot_blocks"} \
+                or any(type(v) is not int for v in grant.values()):
+            raise ValueError(f"malformed staging grant: {grant!r}")
+        if grant["address"] < 0 or grant["slots"] < 2 or grant["slot_blocks"] < 1:
+            raise ValueError(f"staging grant out of range: {grant!r}")
+        if grant["slots"] * grant["slot_blocks"] * block_bytes > max_bytes:
+            raise ValueError(f"staging grant of {grant['slots']} x {grant['slot_blocks']} blocks is over "
+                             f"this producer's staging budget of {max_bytes} bytes")
+        return cls(**grant)
+
 
 def uniform_block(caches: Sequence[torch.Tensor]) -> Optional[torch.Size]:
     """The common block shape when every layer has the same block shape and dtype."""

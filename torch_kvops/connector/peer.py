@@ -86,8 +86,13 @@ class PeerLink:
         grant = answer.get("grant_s")
         if type(grant) not in (int, float) or not 0 <= grant < float("inf"):
             raise PeerFailed(f"the consumer's answer to begin grants no valid write lease: {grant!r}")
+        rejected = answer.get("rejected", [])
+        # only requests of this begin: a consumer cannot fail another consumer's requests
+        if not isinstance(rejected, list) or not all(isinstance(r, str) and r in dst_blocks
+                                                         for r in rejected):
+            raise self.give_up(f"malformed answer to begin (rejected: {str(rejected)[:200]})")
         self.write_until = sent_at + grant
-        return set(answer.get("rejected", []))
+        return set(rejected)
 
     def check_write_lease(self, what: str) -> None:
         """Refuse to start a write (or a scatter) once the step's write lease ended by
@@ -128,6 +133,8 @@ class PeerLink:
             if message is None:
                 continue
             self._note(message)
+            if self.dead:
+                return None
             if done(message):
                 return message
 
@@ -156,11 +163,17 @@ class PeerLink:
         return revoked
 
     def _note(self, message: dict) -> None:
-        """Handle what may arrive at any time: staging acks and revokes."""
-        if message.get("op") == "revoke" and isinstance(message.get("req"), str):
+        """Handle what may arrive at any time: staging acks and revokes. A malformed one
+        makes the peer dead (its requests fail), never raises."""
+        op = message.get("op")
+        if op == "revoke" and isinstance(message.get("req"), str):
             self.revoked.add(message["req"])
-        if message.get("op") == "ack" and self.staging is not None:
-            self.staging.busy[int(message["slot"])] = False
+        if op == "ack":
+            slot = message.get("slot")
+            if self.staging is None or type(slot) is not int or not 0 <= slot < self.staging.grant.slots:
+                self.give_up(f"staging ack for a slot it does not have: {str(slot)[:50]}")
+                return
+            self.staging.busy[slot] = False
             if message.get("refused"):
                 # The consumer no longer has a request of ours there (lease expired):
                 # it did not move the bytes and will not report the request finished.
@@ -182,7 +195,10 @@ class PeerLink:
             raise self.give_up("peer closed its control channel (process gone?)")
         fragmented = lengths.size > 1 and lengths.mean() < self._config.staging_threshold_bytes
         if self.staging is not None and (self.stage_every_layer or fragmented):
-            return self._write_staged(layer, src_blocks, dst_blocks, prefetch)
+            try:
+                return self._write_staged(layer, src_blocks, dst_blocks, prefetch)
+            except (TimeoutError, RuntimeError) as exc:  # a gather that failed or hung
+                raise self.give_up(f"staging layer {layer} failed: {exc}") from exc
         retries = self._write(layer, src, dst, lengths)  # numpy: no list round trip
         self._stats.add(bytes_sent=int(lengths.sum()))
         return retries, None

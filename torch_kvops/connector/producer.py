@@ -125,7 +125,14 @@ class ProducerSide(StepSender):
                 peer.close()
                 raise
         if grant and self._can_stage:
-            peer.staging = ProducerStaging(self._caches, self._transport, StagingGrant(**grant),
+            block_bytes = self._caches[0][0].numel() * self._caches[0].element_size()
+            try:
+                checked = StagingGrant.from_consumer(
+                    grant, block_bytes, self._config.staging_slots * self._config.staging_slot_bytes)
+            except ValueError:
+                peer.close()
+                raise
+            peer.staging = ProducerStaging(self._caches, self._transport, checked,
                                            copy_timeout_s=self._config.event_timeout_s)
         with self._ledger.lock:
             self._peers[peer.peer_id] = peer

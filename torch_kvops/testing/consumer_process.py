@@ -13,14 +13,43 @@ import traceback
 from .worker import WorkerProcess, serve
 
 
+# A hostile consumer (tests only): what it does to one kind of its control answers.
+HOSTILE = {
+    "rejected_not_list": ("begun", lambda m: dict(m, rejected=5)),
+    "rejected_unhashable": ("begun", lambda m: dict(m, rejected=[["x"]])),
+    "rejected_foreign": ("begun", lambda m: dict(m, rejected=["a-request-it-was-not-sent"])),
+    "grant_s_bad": ("begun", lambda m: dict(m, grant_s="forever")),
+    "ack_bad_slot": ("ack", lambda m: dict(m, slot=-1)),
+    "ack_huge_slot": ("ack", lambda m: dict(m, slot=10 ** 9)),
+    "ack_no_slot": ("ack", lambda m: {"op": "ack"}),
+    "grant_huge": ("welcome", lambda m: dict(m, staging=dict(m["staging"], slots=1 << 20))
+                   if m.get("staging") else m),
+    "grant_malformed": ("welcome", lambda m: dict(m, staging={"address": "0", "slots": 2})),
+}
+
+
+def _make_hostile(how: str) -> None:
+    from ..control.server import Session
+
+    op, change = HOSTILE[how]
+    reply = Session.reply
+
+    def hostile_reply(self, message):
+        reply(self, change(message) if message.get("op") == op else message)
+
+    Session.reply = hostile_reply
+
+
 def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, transport_kwargs,
-                  device="cpu", fleet_key=None, control_tls=None):
+                  device="cpu", fleet_key=None, control_tls=None, hostile=None):
     import torch
 
     from ..connector import ConnectorConfig, LayerwiseConnector
     from ..transports import MooncakeTransport
 
     try:
+        if hostile is not None:
+            _make_hostile(hostile)
         caches = [torch.full((num_blocks, *block_shape), -7.0, device=device)
                   for _ in range(num_layers)]
         transport = MooncakeTransport(host="127.0.0.1", **transport_kwargs)
@@ -97,8 +126,8 @@ class ConsumerProcess(WorkerProcess):
     """Handle on a consumer process; ``info`` is its ``peer_info()``."""
 
     def __init__(self, num_layers, num_blocks, block_shape, timeout=60.0, transport_kwargs=None,
-                 device="cpu", fleet_key=None, control_tls=None, **config_kwargs):
+                 device="cpu", fleet_key=None, control_tls=None, hostile=None, **config_kwargs):
         super().__init__(consumer_main, (num_layers, num_blocks, block_shape, config_kwargs,
-                                         transport_kwargs or {}, device, fleet_key, control_tls),
+                                         transport_kwargs or {}, device, fleet_key, control_tls, hostile),
                          "consumer", timeout)
         self.info = self.hello

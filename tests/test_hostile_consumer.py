@@ -1,0 +1,82 @@
+"""A consumer that answers the control protocol with malformed, out-of-range, oversized
+or foreign values (issue 33): the producer never dies and never raises out of its step
+calls; only that consumer's requests fail (or the producer refuses to connect to it),
+and a good consumer served in the same steps keeps receiving byte-exact. Real
+processes over the real Mooncake engine; the hostile answers are made in the consumer
+process (``ConsumerProcess(hostile=...)``, torch_kvops/testing/consumer_process.py).
+"""
+import numpy as np
+import pytest
+import torch
+
+from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
+from torch_kvops.testing.consumer_process import HOSTILE, ConsumerProcess
+
+LAYERS, BLOCKS, BLOCK_SHAPE = 2, 64, (2, 8, 16)  # 1 KiB blocks: fragmented layers are staged
+CONFIG = dict(transfer_timeout_s=3.0, max_retries=0, control_timeout_s=2.0, lease_s=10.0,
+              fence_drain_s=0.5, staging_slot_bytes=4 << 10, staging_slots=4)
+SRC, DST = [0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 11]  # fragmented: through staging slots
+REFUSED_AT_CONNECT = {"grant_huge", "grant_malformed"}
+
+
+def _push(conn, caches, requests, seed):
+    gen = torch.Generator().manual_seed(seed)
+    conn.start_step(requests)
+    for layer, cache in enumerate(caches):
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+        conn.save_kv_layer(layer, cache)
+    conn.wait_for_save(timeout=60)
+
+
+def _outcomes(conn, wanted):
+    import time
+    finished, failed = set(), set()
+    deadline = time.monotonic() + 20
+    while not wanted <= finished | failed and time.monotonic() < deadline:
+        done, bad = conn.get_finished()
+        finished, failed = finished | done, failed | bad
+        time.sleep(0.01)
+    return finished, failed
+
+
+@pytest.mark.parametrize("how", sorted(HOSTILE))
+def test_a_hostile_consumer_fails_its_own_requests_only(how):
+    good = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **CONFIG)
+    bad = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, hostile=how, **CONFIG)
+    transport = MooncakeTransport(host="127.0.0.1")
+    caches = [torch.zeros(BLOCKS, *BLOCK_SHAPE) for _ in range(LAYERS)]
+    conn = LayerwiseConnector("producer", transport, ConnectorConfig(**CONFIG))
+    try:
+        conn.register_kv_caches(caches)
+        good_peer = conn.add_peer(good.info)
+        if how in REFUSED_AT_CONNECT:
+            with pytest.raises(ValueError, match="staging grant"):
+                conn.add_peer(bad.info)  # refused before it sizes anything here
+            bad_peer = None
+        else:
+            bad_peer = conn.add_peer(bad.info)
+        bad_failed = 0
+        for step in range(2):  # the producer goes on after the hostile answers
+            good_id, bad_id = f"good-{step}", f"bad-{step}"
+            good.call("expect", [good_id])
+            requests = [TransferRequest(good_id, good_peer, SRC, DST)]
+            if bad_peer is not None:
+                bad.call("expect", [bad_id])
+                requests.append(TransferRequest(bad_id, bad_peer, SRC, DST))
+            _push(conn, caches, requests, seed=step)  # never raises
+            finished, failed = _outcomes(conn, {r.req_id for r in requests})
+            assert good_id in finished, (how, finished, failed)
+            if bad_peer is not None:
+                # decided either way (a bad staging ack may come after its step landed)
+                assert bad_id in finished | failed, (how, finished, failed)
+                bad_failed += bad_id in failed
+            received = good.call("caches")
+            for layer in range(LAYERS):
+                assert np.array_equal(received[layer][DST], caches[layer][SRC].numpy()), (how, layer)
+        assert bad_peer is None or bad_failed >= 1, f"{how}: the hostile consumer's requests must fail"
+        assert conn.stats()["requests_finished"] >= 2
+    finally:
+        conn.close()
+        transport.close()
+        good.stop()
+        bad.stop()
