@@ -297,6 +297,17 @@ def test_decode_refuses_a_second_live_request_with_a_transfer_id_in_use():
         d.shutdown()
 
 
+def test_the_step_bounds_of_the_worker_and_the_sender_agree():
+    """The sender fails a step that outlives step_timeout_s (its requests alone);
+    wait_for_save waits longer than that plus a write under way, so a slow decode side
+    never makes it raise into vLLM (issue 33)."""
+    s = KvopsSettings(step_timeout_s=7.0, connector={"transfer_timeout_s": 2.0, "max_retries": 1})
+    assert s.connector_config().step_timeout_s == 7.0
+    assert s.save_wait_s() > 7.0 + 2 * 2.0
+    own = KvopsSettings(step_timeout_s=7.0, connector={"step_timeout_s": 3.0})
+    assert own.connector_config().step_timeout_s == 3.0  # the connector's own setting wins
+
+
 def test_settings_accept_vllm_mooncake_keys_and_refuse_bad_bounds():
     s = KvopsSettings.from_extra({"bootstrap_server_address": "10.0.0.1:8998", "late_binding": False,
                                   "wait_for_decode_s": 5})

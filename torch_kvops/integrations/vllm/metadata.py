@@ -41,7 +41,11 @@ class KvopsSettings:
         a D-first proxy that sends P the request right after D (every chunk then goes
         layer by layer), 0 (the default with late binding) a P-first router. Without
         late binding (default 10 s) the request is then prefilled without push.
-    step_timeout_s: bound of wait_for_save per step.
+    step_timeout_s: bound of a push step: the sender fails the step's pushes (those
+        requests alone) once it has not finished by then (the connector's
+        ``step_timeout_s`` unless ``connector`` sets it); ``wait_for_save`` waits that
+        long plus the bound of a write in flight, so a slow decode side fails its own
+        requests instead of raising into vLLM.
     idle_step_wait_s: a step with nothing to compute while transfers are in flight waits
         up to this long for one to end (it wakes when one does) instead of returning
         at once: vLLM steps such an engine in a busy loop (~1,000 empty steps a second,
@@ -123,7 +127,15 @@ class KvopsSettings:
                 tls_files(self.tls_cert_file, self.tls_key_file, self.tls_ca_file))
 
     def connector_config(self) -> ConnectorConfig:
-        return ConnectorConfig(**self.connector)
+        return ConnectorConfig(**dict({"step_timeout_s": self.step_timeout_s}, **self.connector))
+
+    def save_wait_s(self) -> float:
+        """How long wait_for_save waits: the sender's step bound, plus a write already
+        under way (its retries included), plus a margin. Only a sender that is stuck
+        beyond its own bounds makes it raise."""
+        config = self.connector_config()
+        return (config.step_timeout_s + (config.max_retries + 1) * config.transfer_timeout_s
+                + config.retry_backoff_s * 2 ** config.max_retries + 10.0)
 
 
 @dataclass

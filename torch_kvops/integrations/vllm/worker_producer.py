@@ -180,7 +180,7 @@ class ProducerWorker(KvopsWorker):
             for index, view in self._all_views:
                 if index not in self._step_pushed:
                     self.conn.save_kv_layer(index, view)
-            self.conn.wait_for_save(timeout=self.settings.step_timeout_s)
+            self.conn.wait_for_save(timeout=self.settings.save_wait_s())
         finally:
             t1 = time.perf_counter()
             log.debug("step %s: forward done %.4f, pushes landed %.4f", self._step_tids,
