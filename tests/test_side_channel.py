@@ -242,6 +242,41 @@ def test_a_transfer_is_bound_to_its_first_destination(auth):
         server.close()
 
 
+def test_the_bootstrap_endpoint_cuts_a_trickling_client_at_its_total_deadline_and_closes_in_bound():
+    """A client that sends its request a byte at a time, each within the per-operation
+    timeout, is cut off at the total deadline (it would otherwise hold a slot for
+    ever), and close() returns within that bound while such clients are connected."""
+    boot = BootstrapServer("127.0.0.1", 0, "engine-p", "127.0.0.1:1", 1, signed=False, tls=False,
+                           timeout_s=1.0, max_clients=4)
+    host, port = boot.address.rsplit(":", 1)
+    socks = []
+    try:
+        for _ in range(3):
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            socks.append(sock)
+        started = time.monotonic()
+        cut_after = None
+        request = b"GET /query HTTP/1.1\r\nHost: x\r\n\r\n"
+        for byte in request:
+            try:
+                socks[0].sendall(bytes([byte]))
+            except OSError:
+                cut_after = time.monotonic() - started
+                break
+            time.sleep(0.3)  # under the 1 s per operation, over 1 s in all after 4 bytes
+        if cut_after is None:  # the last bytes may still go out: the answer tells
+            data = socks[0].recv(65536)
+            assert data == b"", data
+            cut_after = time.monotonic() - started
+        assert cut_after < 3.0, cut_after
+        closing = time.monotonic()
+        boot.close(timeout=5.0)
+        assert time.monotonic() - closing < 2.5, "close() waited for trickling clients"
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def test_a_malformed_liveness_question_is_refused_and_counted():
     server = DestinationServer("127.0.0.1", 0)
     try:

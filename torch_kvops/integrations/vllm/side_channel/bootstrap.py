@@ -9,14 +9,16 @@ our own facts under ``"kvops"`` (``side_channel``, ``prefill_tp``, ``auth``, ``t
 A decode engine given ``remote_bootstrap_addr`` reads the side channel from there.
 
 Public facts only: no secret is ever in the answer. Bounded: at most
-``max_clients`` requests are served at once (more are closed at accept), each with
-``timeout_s`` per socket operation.
+``max_clients`` requests are served at once (more are closed at accept), each within
+``timeout_s`` in all (a client that trickles its request a byte at a time is cut off
+then), so ``close()`` is bounded too.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import socket
 import socketserver
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -93,10 +95,23 @@ class _Server(ThreadingHTTPServer):
         super().process_request(request, client_address)
 
     def process_request_thread(self, request, client_address) -> None:
+        # the whole request, not each socket operation, within timeout_s: a watchdog
+        # shuts the socket down then, which ends the handler's blocking read
+        watchdog = threading.Timer(self.timeout_s, _cut, args=(request,))
+        watchdog.daemon = True
+        watchdog.start()
         try:
             super().process_request_thread(request, client_address)
         finally:
+            watchdog.cancel()
             self._slots.release()
+
+
+def _cut(request: socket.socket) -> None:
+    try:
+        request.shutdown(socket.SHUT_RDWR)
+    except OSError:  # closed already: the handler finished just now
+        log.debug("bootstrap: the request's socket was closed before its watchdog fired")
 
 
 class BootstrapServer:
