@@ -402,6 +402,64 @@ def test_a_transfer_id_used_again_on_a_decode_rank_recomputes_instead_of_hanging
         assert torch.equal(d_kv[name][3:5], old), "nothing may land for a reused id"
 
 
+def test_a_broken_link_to_a_decode_instance_is_connected_again_after_its_backoff():
+    """A transient failure does not cut P from D for good (issue 33): the control
+    connection is killed (as a network fault would, ``ss -K``); the next push to that D
+    fails, the link is connected again after the breaker's backoff, and pushes land
+    again."""
+    import subprocess
+
+    from torch_kvops.integrations.vllm.worker_consumer import ConsumerWorker
+    from torch_kvops.integrations.vllm.worker_producer import ProducerWorker
+
+    settings = KvopsSettings(connector={"quarantine_s": 0.05, "lease_s": 2.0, "fence_drain_s": 0.5},
+                             step_timeout_s=20)
+    p, d = ProducerWorker(settings, 8, total_kv_heads=2), ConsumerWorker(settings, 8, total_kv_heads=2)
+    p_kv, d_kv = _caches(), _caches(fill=False)
+    try:
+        p.register_kv_caches(p_kv)
+        d.register_kv_caches(d_kv)
+        _reconnects(p, d, p_kv, d_kv)
+    finally:
+        p.close()
+        d.close()
+
+
+def _reconnects(p, d, p_kv, d_kv):
+    import subprocess
+
+    def push(req_id, src, dst):
+        _recv(d, req_id, "t" + req_id, dst)
+        meta = KvopsConnectorMetadata()
+        meta.push.append(PushReq(req_id, "t" + req_id, [d.peer_info()], src, dst, True, "layerwise",
+                                 finished=True))
+        p.begin_step(meta)
+        p.wait_for_save()
+        p.get_finished(set())
+        recving, failed, deadline = set(), set(), time.monotonic() + 30
+        while req_id not in recving:
+            assert time.monotonic() < deadline, f"D never ended {req_id}"
+            _, got, bad = d.get_finished(set())
+            recving, failed = recving | got, failed | bad
+            time.sleep(0.01)
+        return req_id not in failed
+
+    assert push("a", [1], [5])
+    port = d.peer_info()["control_address"].rsplit(":", 1)[1]
+    subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"], check=True, timeout=10)
+    assert not push("b", [2], [6])  # the cut is found at this push: it fails, D recomputes
+    deadline, attempt = time.monotonic() + 30, 0
+    while True:
+        time.sleep(0.3)  # the breaker's first backoff is at most 0.5 s
+        attempt += 1
+        if push(f"c{attempt}", [3], [7]):
+            break
+        assert time.monotonic() < deadline, "the link was never connected again"
+    for name in p_kv:
+        assert torch.equal(d_kv[name][7], p_kv[name][3])
+    assert p.metrics.take(lambda: {}).data.get("peer_reconnected", 0) >= 1
+
+
 def test_get_finished_before_wait_for_save_defers_aborts_and_frees(workers):
     """Model Runner V2 collects get_finished before wait_for_save: a request finished
     before its last chunk is aborted, and its blocks freed, only after the step."""
@@ -542,3 +600,20 @@ def test_a_refused_step_fails_its_parts_instead_of_the_engine():
     assert worker._parts == {"a": {"a|p0d0"}}  # waits for its reported failure
     assert worker._outcome == {"b"}  # never started: ended now, its blocks may be freed
     assert worker.metrics.counts == {"failed_refused_step": 2}
+
+
+def test_the_peer_breaker_backs_off_doubling_with_jitter_up_to_its_cap():
+    from torch_kvops.connector.breaker import PeerBreaker
+
+    now = [0.0]
+    breaker = PeerBreaker(base_s=0.5, cap_s=4.0, clock=lambda: now[0])
+    assert breaker.may_try("d")
+    backoffs = [breaker.failed("d", "unreachable") for _ in range(6)]
+    for i, b in enumerate(backoffs):
+        full = min(4.0, 0.5 * 2 ** i)
+        assert full / 2 <= b <= full, (i, b)
+    assert not breaker.may_try("d")
+    now[0] += backoffs[-1]
+    assert breaker.may_try("d") and breaker.states()["d"]["failures"] == 6
+    breaker.closed("d")
+    assert breaker.states() == {} and breaker.may_try("d")

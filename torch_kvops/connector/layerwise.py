@@ -135,9 +135,17 @@ class LayerwiseConnector:
 
     def add_peer(self, info: dict) -> str:
         """Producer: validate a consumer's layout against ours, connect its control
-        channel, and return its peer id (the same id again for a known live peer)."""
+        channel, and return its peer id (the same id again for a known live peer). A
+        known peer that was given up on is connected again, once none of its requests
+        is in flight (``RuntimeError`` until then)."""
         self._require("producer", registered=True)
         return self._side.add_peer(info)
+
+    def peer_failed(self, peer_id: str) -> Optional[str]:
+        """Producer: why the peer was given up on (its later requests fail without a
+        byte written until :meth:`add_peer` connects it again), None while usable."""
+        self._require("producer", registered=True)
+        return self._side.peer_failed(peer_id)
 
     def attach(self, model: torch.nn.Module, layers: Sequence[torch.nn.Module]) -> list:
         """Call ``save_kv_layer(i, cache_i)`` after ``layers[i]``'s forward (forward

@@ -138,6 +138,13 @@ class ProducerSide(StepSender):
             self._peers[peer.peer_id] = peer
         return peer.peer_id
 
+    def peer_failed(self, peer_id: str) -> Optional[str]:
+        with self._ledger.lock:
+            peer = self._peers.get(peer_id)
+        if peer is None:
+            raise KeyError(f"unknown peer {peer_id!r}")
+        return peer.dead
+
     # ------------------------------------------------------------------ step (engine thread)
 
     def start_step(self, requests: Iterable[TransferRequest], partial: bool = False) -> Dict[str, str]:

@@ -79,7 +79,7 @@ class ControlClient:
             welcome = self.receive(self._timeout_s)
             if welcome is None or welcome.get("op") != "welcome":
                 raise ConnectionError("the consumer refused the handshake (wrong secret in peer_info, "
-                                      "or this producer id is connected already)")
+                                      "or the consumer closed the connection)")
             return welcome
         except (ConnectionError, ValueError) as exc:
             self.close()

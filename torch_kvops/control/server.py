@@ -68,7 +68,8 @@ class ControlServer:
             raise ValueError(f"max_line_bytes must be at least {MAX_HANDSHAKE_LINE}")
         self._max_line = int(max_line_bytes)
         self._counter_lock = threading.Lock()
-        self.counters = dict(control_auth_failed=0, control_dropped=0, control_refused_busy=0)
+        self.counters = dict(control_auth_failed=0, control_dropped=0, control_refused_busy=0,
+                             control_replaced=0)
         self._listener = socket.create_server((host, 0))
         self._listener.setblocking(False)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
@@ -213,8 +214,15 @@ class ControlServer:
             expected = proof(self._secret, "producer", session._their_nonce, session._nonce, session._claimed)
             if not hmac.compare_digest(expected, str(message.get("proof", ""))):
                 raise ProtocolError("auth: wrong proof (the producer does not know this consumer's secret)")
-            if any(s.producer == session._claimed for s in self._sessions.values()):
-                raise ProtocolError(f"producer {session._claimed} is already connected")
+            # The same producer again (it proved the secret): its old connection is
+            # half-open or broken on its side. The new one replaces it; what the old
+            # one began fails there (under the fence: on_close).
+            stale = [c for c, s in self._sessions.items() if s.producer == session._claimed]
+            for conn in stale:
+                log.warning("producer %s connected again: its old control connection is closed",
+                            session._claimed)
+                self._count("control_replaced")
+                self._drop(conn)
             session.producer = session._claimed
             self._on_message({"op": "hello", "producer": session.producer, "staging": session.staging},
                              session)

@@ -229,6 +229,11 @@ class KvopsPromMetrics(KVConnectorPromMetrics):
         "write_lease_ended": ("vllm:kvops_write_lease_ended",
                               "Writes not started because the decode side's write lease had "
                               "ended (prefill)."),
+        "peer_link_broken": ("vllm:kvops_peer_link_broken",
+                             "Links to a decode instance given up on (a write failed after its "
+                             "retries, a broken control channel); connected again later (prefill)."),
+        "peer_reconnected": ("vllm:kvops_peer_reconnected",
+                             "Links to a decode instance connected again after a failure (prefill)."),
         "reused_transfer_ids": ("vllm:kvops_reused_transfer_ids",
                                 "Requests whose transfer id this decode rank had already used: "
                                 "recomputed (decode)."),

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from typing import Dict, List, Optional, Set, Tuple
 
+from ...connector.breaker import PeerBreaker
 from ...plan import TransferRequest
 from .metadata import KvopsConnectorMetadata, KvopsSettings
 from .tp import latent_parts, part_id, plan_parts
@@ -36,7 +37,7 @@ class ProducerWorker(KvopsWorker):
         self._step_started = 0.0  # time.monotonic() when the running step was handed over
         self._steps: deque = deque(maxlen=256)  # recent push steps, for recent_steps()
         self._peers: Dict[str, str] = {}  # consumer engine id -> peer id
-        self._dead_peers: Dict[str, str] = {}  # consumer engine id -> why add_peer failed
+        self._breaker = PeerBreaker()  # decode instances whose link failed
         # per request id
         self._tid_to_req: Dict[str, str] = {}  # part id -> request id
         self._parts: Dict[str, Set[str]] = {}  # request id -> its parts not yet ended
@@ -148,18 +149,36 @@ class ProducerWorker(KvopsWorker):
         return out
 
     def _peer(self, info: dict) -> Optional[str]:
-        """The peer id of a decode instance, connecting on first use; None if it cannot
-        be reached (remembered, so later chunks do not stall the engine again)."""
+        """The peer id of a decode instance, connecting on first use; None while it
+        cannot be used. A circuit breaker: a link that failed (unreachable, a write
+        that failed after its retries, a broken control channel) is connected again
+        when a request needs it, after a bounded, jittered backoff that doubles with
+        each failure in a row (so a dead D does not stall the engine at every chunk),
+        and once none of its requests is in flight any more."""
         engine_id = info["engine_id"]
         peer = self._peers.get(engine_id)
-        if peer is None and engine_id not in self._dead_peers:
-            try:
-                peer = self.conn.add_peer(info)  # bounded by control_timeout_s and retries
-            except (ConnectionError, OSError) as exc:
-                log.error("decode instance %s unreachable, its requests fail: %s", engine_id, exc)
-                self._dead_peers[engine_id] = str(exc)
-                return None
-            self._peers[engine_id] = peer
+        if peer is not None:
+            reason = self.conn.peer_failed(peer)
+            if reason is None:
+                return peer
+            self._breaker.failed(engine_id, reason)  # the link broke: reconnect later
+            self.metrics.count("peer_link_broken")
+            del self._peers[engine_id]
+        if not self._breaker.may_try(engine_id):
+            return None
+        try:
+            peer = self.conn.add_peer(info)  # bounded by control_timeout_s and retries
+        except RuntimeError as exc:  # its old link still has requests in flight
+            log.info("decode instance %s: not connected again yet: %s", engine_id, exc)
+            return None
+        except (ConnectionError, OSError) as exc:
+            log.error("decode instance %s unreachable, its requests fail: %s", engine_id, exc)
+            self._breaker.failed(engine_id, str(exc))
+            return None
+        if self._breaker.states().get(engine_id):
+            self.metrics.count("peer_reconnected")
+        self._breaker.closed(engine_id)
+        self._peers[engine_id] = peer
         return peer
 
     def save_kv_layer(self, layer_name: str) -> None:
