@@ -130,6 +130,25 @@ def test_a_producer_with_the_wrong_secret_is_refused(consumer, producer):
     assert conn.add_peer(consumer.info)  # the real one still works
 
 
+def test_the_same_producer_proving_itself_again_replaces_its_lingering_session(consumer):
+    """A producer's connection can linger half-open on the consumer (a partition, a
+    peer that vanished without a FIN). When the same producer proves itself again, the
+    new session replaces the old one (which is closed) instead of being refused."""
+    old = ControlClient(consumer.info["control_address"], timeout_s=2.0)
+    old.connect()
+    assert old.handshake(consumer.info["secret"], "producer-x", staging=False)["op"] == "welcome"
+    new = ControlClient(consumer.info["control_address"], timeout_s=2.0)
+    new.connect()
+    try:
+        assert new.handshake(consumer.info["secret"], "producer-x", staging=False)["op"] == "welcome"
+        assert wait_for_counter(consumer, "control_replaced", 1)
+        with pytest.raises(ConnectionError):  # the old one was closed by the consumer
+            old.receive(2.0)
+    finally:
+        old.close()
+        new.close()
+
+
 def test_the_producer_refuses_a_consumer_that_cannot_prove_the_secret(consumer, producer):
     """Mutual: a server at the consumer's control address that does not know the
     secret (here: one with another secret) is refused before any notice is sent."""
