@@ -141,6 +141,15 @@ class LayerwiseConnector:
         self._require("producer", registered=True)
         return self._side.add_peer(info)
 
+    def release_peers(self, idle_s: float) -> List[str]:
+        """Producer, between steps: close and forget the peers given up on, or not
+        used for ``idle_s`` seconds, that have no request in flight (their control
+        channel, staging registration and buffer), so that resources stay flat while
+        consumers come and go (a restarted consumer is a new peer). Returns their ids;
+        :meth:`add_peer` connects one again when needed."""
+        self._require("producer", registered=True)
+        return self._side.release_peers(idle_s)
+
     def peer_failed(self, peer_id: str) -> Optional[str]:
         """Producer: why the peer was given up on (its later requests fail without a
         byte written until :meth:`add_peer` connects it again), None while usable."""

@@ -46,6 +46,7 @@ class PeerLink:
         self.write_until = 0.0
         # Requests the consumer revoked (it gave up on them), not yet acknowledged
         self.revoked: Set[str] = set()
+        self.last_used = time.monotonic()  # the last begin (release_peers)
         # Set when this link sends digests of what it pushed (integrity.py).
         self.digester: Optional[BlockDigester] = None
         # (layer, claimed slots, gather) started while the previous layer was on the wire
@@ -76,7 +77,7 @@ class PeerLink:
         connection scatter only into those); the consumer answers with those it does not
         accept (already reported failed, e.g. its lease expired, or begun by another
         producer)."""
-        sent_at = time.monotonic()
+        sent_at = self.last_used = time.monotonic()
         self.write_until = 0.0
         self.send({"op": "begin", "reqs": list(dst_blocks),
                    "dst": {req_id: dst.tolist() for req_id, dst in dst_blocks.items()}})

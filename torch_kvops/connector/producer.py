@@ -138,6 +138,21 @@ class ProducerSide(StepSender):
             self._peers[peer.peer_id] = peer
         return peer.peer_id
 
+    def release_peers(self, idle_s: float) -> List[str]:
+        """Close and forget the peers given up on, or not used for ``idle_s``, that
+        have no request in flight: their control channel, staging registration and
+        buffer. Engine thread, between steps. Returns their ids."""
+        now = time.monotonic()
+        with self._ledger.lock:
+            busy = set(self._ledger.in_flight.values())
+            idle = [peer for pid, peer in self._peers.items()
+                    if pid not in busy and (peer.dead or now - peer.last_used >= idle_s)]
+            for peer in idle:
+                del self._peers[peer.peer_id]
+        for peer in idle:
+            peer.close()
+        return [peer.peer_id for peer in idle]
+
     def peer_failed(self, peer_id: str) -> Optional[str]:
         with self._ledger.lock:
             peer = self._peers.get(peer_id)

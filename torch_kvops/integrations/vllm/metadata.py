@@ -50,6 +50,10 @@ class KvopsSettings:
         up to this long for one to end (it wakes when one does) instead of returning
         at once: vLLM steps such an engine in a busy loop (~1,000 empty steps a second,
         each through its executor's message queue). 0: no wait.
+    peer_idle_s: P closes the link to a decode instance (control channel, staging
+        registration and buffer) once it failed, or carried no request for this long,
+        and has none in flight; it is connected again when a request needs it. A
+        restarted D is a new instance: without this, P would keep every link it ever had.
     connector: ConnectorConfig fields (lease_s, transfer_timeout_s, ...).
     fleet_key_file: the fleet key (else the file ``$KVOPS_FLEET_KEY_FILE`` names): signs
         every side-channel message and derives the control channel's secrets
@@ -72,6 +76,7 @@ class KvopsSettings:
     wait_for_decode_s: Optional[float] = None  # None: 0 with late binding, else 10
     post_timeout_s: float = 2.0
     post_retries: int = 2
+    peer_idle_s: float = 300.0
     step_timeout_s: float = 120.0
     idle_step_wait_s: float = 0.005
     connector: Dict[str, Any] = field(default_factory=dict)

@@ -38,6 +38,7 @@ class ProducerWorker(KvopsWorker):
         self._steps: deque = deque(maxlen=256)  # recent push steps, for recent_steps()
         self._peers: Dict[str, str] = {}  # consumer engine id -> peer id
         self._breaker = PeerBreaker()  # decode instances whose link failed
+        self._next_release = 0.0  # when idle links are looked for next
         # per request id
         self._tid_to_req: Dict[str, str] = {}  # part id -> request id
         self._parts: Dict[str, Set[str]] = {}  # request id -> its parts not yet ended
@@ -53,6 +54,7 @@ class ProducerWorker(KvopsWorker):
 
     def begin_step(self, meta: KvopsConnectorMetadata) -> None:
         self._released.update(meta.release)
+        self._release_idle_peers()
         requests, modes = [], set()
         now = time.monotonic()
         for push in meta.push:
@@ -147,6 +149,17 @@ class ProducerWorker(KvopsWorker):
             out.append(TransferRequest(part_id(push.transfer_id, self.tp_rank, part.decode_rank),
                                        peer, src, dst, last_chunk=push.last_chunk))
         return out
+
+    def _release_idle_peers(self) -> None:
+        """At most once a second: close the links that failed or idled (peer_idle_s)."""
+        now = time.monotonic()
+        if now < self._next_release:
+            return
+        self._next_release = now + 1.0
+        released = set(self.conn.release_peers(self.settings.peer_idle_s))
+        if released:
+            self._peers = {e: p for e, p in self._peers.items() if p not in released}
+            self.metrics.count("peers_released", len(released))
 
     def _peer(self, info: dict) -> Optional[str]:
         """The peer id of a decode instance, connecting on first use; None while it
