@@ -247,7 +247,7 @@ def test_the_bootstrap_endpoint_cuts_a_trickling_client_at_its_total_deadline_an
     timeout, is cut off at the total deadline (it would otherwise hold a slot for
     ever), and close() returns within that bound while such clients are connected."""
     boot = BootstrapServer("127.0.0.1", 0, "engine-p", "127.0.0.1:1", 1, signed=False, tls=False,
-                           timeout_s=1.0, max_clients=4)
+                           timeout_s=1.0, total_s=1.0, max_clients=4)
     host, port = boot.address.rsplit(":", 1)
     socks = []
     try:

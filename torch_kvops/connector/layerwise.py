@@ -5,6 +5,7 @@ The public API over both roles. The send path is in ``producer.py`` and ``sender
 outcome reporting, counters) in ``config.py`` and ``ledger.py``. See
 docs/connector.md for threads and failure semantics.
 """
+# house: long because the one public API of both roles, whose docstrings carry the contract; the work lives in producer.py, sender.py and consumer*.py
 from __future__ import annotations
 
 import logging
@@ -142,17 +143,14 @@ class LayerwiseConnector:
         return self._side.add_peer(info)
 
     def release_peers(self, idle_s: float) -> List[str]:
-        """Producer, between steps: close and forget the peers given up on, or not
-        used for ``idle_s`` seconds, that have no request in flight (their control
-        channel, staging registration and buffer), so that resources stay flat while
-        consumers come and go (a restarted consumer is a new peer). Returns their ids;
-        :meth:`add_peer` connects one again when needed."""
+        """Producer, between steps: close the peers failed or unused for ``idle_s`` with
+        nothing in flight (control channel, staging), so resources stay flat while
+        consumers come and go. Returns their ids; :meth:`add_peer` reconnects."""
         self._require("producer", registered=True)
         return self._side.release_peers(idle_s)
 
     def peer_failed(self, peer_id: str) -> Optional[str]:
-        """Producer: why the peer was given up on (its later requests fail without a
-        byte written until :meth:`add_peer` connects it again), None while usable."""
+        """Producer: why the peer was given up on (until :meth:`add_peer`), or None."""
         self._require("producer", registered=True)
         return self._side.peer_failed(peer_id)
 
@@ -218,10 +216,8 @@ class LayerwiseConnector:
         return self._side.expect(req_id, lease_s)
 
     def refuse(self, req_ids: Iterable[str]) -> None:
-        """Consumer: the engine will not wait for these requests (it gave up on them
-        before any began): a producer's ``begin`` for one of them is refused and the
-        producer fails it, so no byte of it lands in blocks the engine reuses. Ids
-        already expected or begun are left alone (their lease decides)."""
+        """Consumer: the engine gave these up before they began: a ``begin`` for one is
+        refused (nothing lands in blocks it reuses). Expected or begun ids: untouched."""
         self._require("consumer", registered=True)
         self._side.refuse(list(req_ids))
 
@@ -257,10 +253,8 @@ class LayerwiseConnector:
         return self._ledger.wait_for_news(timeout_s, lambda: bool(self._ledger.in_flight))
 
     def outcome(self, req_id: str) -> Optional[bool]:
-        """True or False once the request's outcome is decided, also while its report
-        is held back (a transfer it left behind may still read its source); None while
-        it is in flight or was never sent. Each decided outcome is still reported once
-        by :meth:`get_finished`."""
+        """True/False once decided (also while its report is held back), None while in
+        flight or never sent; :meth:`get_finished` still reports it once."""
         with self._ledger.lock:
             return self._ledger.outcome_locked(req_id)
 

@@ -8,6 +8,7 @@ they go with the step's forward, layer by layer, and in a step without a forward
 pushes every layer the forward did not. On CUDA caches such a push records its layer
 event on the current stream after every kernel the engine queued before it, so it
 orders after the step that wrote the KV (not run here: no GPU)."""
+# house: long because one state machine (parts, outcomes, frees) per vLLM request reads best whole; links (breaker, release) are three short methods
 from __future__ import annotations
 
 import logging
@@ -39,6 +40,7 @@ class ProducerWorker(KvopsWorker):
         self._peers: Dict[str, str] = {}  # consumer engine id -> peer id
         self._breaker = PeerBreaker()  # decode instances whose link failed
         self._next_release = 0.0  # when idle links are looked for next
+        self._ever_connected: Set[str] = set()  # decode engine ids (a new link is a reconnect)
         # per request id
         self._tid_to_req: Dict[str, str] = {}  # part id -> request id
         self._parts: Dict[str, Set[str]] = {}  # request id -> its parts not yet ended
@@ -188,8 +190,11 @@ class ProducerWorker(KvopsWorker):
             log.error("decode instance %s unreachable, its requests fail: %s", engine_id, exc)
             self._breaker.failed(engine_id, str(exc))
             return None
-        if self._breaker.states().get(engine_id):
+        if engine_id in self._ever_connected:
             self.metrics.count("peer_reconnected")
+        if len(self._ever_connected) > 4096:  # bounded while D instances come and go
+            self._ever_connected.clear()
+        self._ever_connected.add(engine_id)
         self._breaker.closed(engine_id)
         self._peers[engine_id] = peer
         return peer

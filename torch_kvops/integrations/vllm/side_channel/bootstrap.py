@@ -9,9 +9,9 @@ our own facts under ``"kvops"`` (``side_channel``, ``prefill_tp``, ``auth``, ``t
 A decode engine given ``remote_bootstrap_addr`` reads the side channel from there.
 
 Public facts only: no secret is ever in the answer. Bounded: at most
-``max_clients`` requests are served at once (more are closed at accept), each within
-``timeout_s`` in all (a client that trickles its request a byte at a time is cut off
-then), so ``close()`` is bounded too.
+``max_clients`` requests are served at once (more are closed at accept), each with
+``timeout_s`` per socket operation and ``total_s`` in all (a client that trickles its
+request a byte at a time is cut off then), so ``close()`` is bounded too.
 """
 from __future__ import annotations
 
@@ -73,9 +73,9 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = False  # joined by server_close(): no thread outlives close()
     block_on_close = True
 
-    def __init__(self, address: Tuple[str, int], answer: dict, timeout_s: float,
+    def __init__(self, address: Tuple[str, int], answer: dict, timeout_s: float, total_s: float,
                  max_clients: int) -> None:
-        self.answer, self.timeout_s = answer, timeout_s
+        self.answer, self.timeout_s, self.total_s = answer, timeout_s, total_s
         self._slots = threading.BoundedSemaphore(max_clients)
         self.refused = 0
         super().__init__(address, _Handler)
@@ -95,9 +95,9 @@ class _Server(ThreadingHTTPServer):
         super().process_request(request, client_address)
 
     def process_request_thread(self, request, client_address) -> None:
-        # the whole request, not each socket operation, within timeout_s: a watchdog
-        # shuts the socket down then, which ends the handler's blocking read
-        watchdog = threading.Timer(self.timeout_s, _cut, args=(request,))
+        # the whole request within total_s: a watchdog shuts the socket down then,
+        # which ends the handler's blocking read
+        watchdog = threading.Timer(self.total_s, _cut, args=(request,))
         watchdog.daemon = True
         watchdog.start()
         try:
@@ -119,13 +119,14 @@ class BootstrapServer:
     "host:port", ``url`` what a decode engine takes as ``remote_bootstrap_addr``."""
 
     def __init__(self, host: str, port: int, engine_id: str, side_channel: str, prefill_tp: int,
-                 *, signed: bool, tls: bool, timeout_s: float = 2.0, max_clients: int = 16) -> None:
+                 *, signed: bool, tls: bool, timeout_s: float = 2.0, total_s: float = 30.0,
+                 max_clients: int = 16) -> None:
         facts: Dict[str, object] = {"side_channel": side_channel, "prefill_tp": int(prefill_tp),
                                     "auth": "hmac-sha256" if signed else "none", "tls": bool(tls)}
         answer = {"0": {"engine_id": engine_id,
                         "worker_addr": {str(rank): {"0": side_channel} for rank in range(prefill_tp)},
                         "kvops": facts}}
-        self._server = _Server((host, port), answer, timeout_s, max_clients)
+        self._server = _Server((host, port), answer, timeout_s, total_s, max_clients)
         self.address = f"{host}:{self._server.server_address[1]}"
         self.url = f"http://{self.address}"
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
