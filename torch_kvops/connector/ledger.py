@@ -100,11 +100,15 @@ class RequestLedger:
                 now = time.monotonic()
                 self._delayed.append((now + delay, req_id, ok, hold, now + (hold.cap_s if hold else 0.0)))
                 self._remember_locked(req_id, ok)
+                self._count_locked(ok)  # decided now: counted now, reported when released
             else:
                 self.record_locked(req_id, ok)
 
+    def _count_locked(self, ok: bool) -> None:
+        self._stats.add(**{"requests_finished" if ok else "requests_failed": 1})
+
     def record_locked(self, req_id: str, ok: bool,
-                      landed: Optional[List[List[int]]] = None) -> None:
+                      landed: Optional[List[List[int]]] = None, counted: bool = False) -> None:
         """Under ``lock``: queue the id for :meth:`drain`, remember it was reported.
         ``landed``: of a failed request, the destination blocks of each chunk that
         landed whole before it failed (consumer; :meth:`landed_chunks`)."""
@@ -113,7 +117,8 @@ class RequestLedger:
         if not ok and landed:
             self._landed_pending[req_id] = landed
         self._remember_locked(req_id, ok)
-        self._stats.add(**{"requests_finished" if ok else "requests_failed": 1})
+        if not counted:
+            self._count_locked(ok)
 
     def _remember_locked(self, req_id: str, ok: bool) -> None:
         self._reported[req_id] = ok
@@ -153,7 +158,7 @@ class RequestLedger:
                     log.warning("request %s: reported after %.1f s while transfers that may read "
                                 "its source still run (the cap)", req_id, hold.cap_s)
                     self._stats.add(quarantine_capped=1)
-                self.record_locked(req_id, ok)
+                self.record_locked(req_id, ok, counted=True)
             self._delayed = held
             finished, failed = self._finished, self._failed
             self._finished, self._failed = set(), set()
@@ -187,5 +192,5 @@ class RequestLedger:
         """On close: report quarantined outcomes now (nobody will wait for them)."""
         with self.lock:
             for _, req_id, ok, _, _ in self._delayed:
-                self.record_locked(req_id, ok)
+                self.record_locked(req_id, ok, counted=True)
             self._delayed.clear()

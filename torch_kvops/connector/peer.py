@@ -111,12 +111,13 @@ class PeerLink:
         return self._transport.outstanding(self.data_address) > 0
 
     def quarantine(self) -> Optional[Hold]:
-        """How long a request that ends now must keep its source blocks: while this
-        peer's left-behind transfers run, at most ``fence_drain_s`` (the bound the
-        consumer's fence assumes); None if none runs."""
+        """How long a request that ends now keeps its source blocks: while this peer's
+        left-behind transfers run, at most ``quarantine_s`` (then logged and counted,
+        ``quarantine_capped``); None if none runs. The consumer's fence, not this,
+        keeps a late byte out of blocks it handed back."""
         if not self.writes_may_be_in_flight():
             return None
-        return Hold(self.writes_may_be_in_flight, self._config.fence_drain_s)
+        return Hold(self.writes_may_be_in_flight, self._config.quarantine_s)
 
     def _receive_until(self, done: Callable[[dict], bool]) -> Optional[dict]:
         """Read the peer's messages (staging acks are handled on the way) until

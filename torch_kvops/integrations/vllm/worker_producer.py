@@ -76,6 +76,11 @@ class ProducerWorker(KvopsWorker):
             for part in planned:
                 if part is None:  # a decode rank unreachable: that part failed
                     self.metrics.count("failed_decode_unreachable")
+                    self.metrics.count("requests_failed")  # a transfer that failed, like the connector's
+                    # its earlier chunks' parts can never end with a last chunk now: fail
+                    # them (between steps), so the request's blocks are freed
+                    for tid in list(parts):
+                        self.conn.abort(tid, "a decode rank of the request became unreachable")
                     continue
                 if part.req_id not in seen:  # an ended part is not waited for again
                     seen.add(part.req_id)
