@@ -203,8 +203,9 @@ class StepSender:
         """Read what consumers sent (between steps, or between a step's layers) and
         stop the requests they revoked: drop them from the step, acknowledge (no write
         of them starts after this), report them failed. True if the step changed."""
-        with self._ledger.lock:
-            peers = list(self._peers.values())
+        with self._ledger.lock:  # in a step, only its own peers: one read each per layer
+            peers = [self._peers[pid] for pid in step.plan.by_peer] if step is not None \
+                else list(self._peers.values())
         changed = False
         for peer in peers:
             if peer.dead:
