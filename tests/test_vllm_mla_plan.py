@@ -13,21 +13,24 @@ from torch_kvops.integrations.vllm.tp import (check_tp, latent_expected_parts, l
 @pytest.mark.parametrize("total,p_tp,d_tp", list(itertools.product(range(0, 10), [1, 2, 3, 4], [1, 2, 4])))
 def test_every_decode_rank_gets_every_block_once_and_prefill_ranks_share_it(total, p_tp, d_tp):
     got = {d: [] for d in range(d_tp)}
-    per_pair = {}
+    per_pair, dst_of_pair = {}, {}
+    dst = [200 + i for i in range(total)]
     for p in range(p_tp):
         for part in latent_parts(total, p_tp, p, d_tp):
             assert len(part.positions) > 0  # ranks with nothing to send are left out
             assert part.positions.step == 1  # contiguous: descriptors merge
             got[part.decode_rank].extend(part.positions)
-            per_pair[part_id("T", p, part.decode_rank)] = len(part.positions)
+            per_pair[part_id("T", "E", p, part.decode_rank)] = len(part.positions)
+            dst_of_pair[part_id("T", "E", p, part.decode_rank)] = part.chunk(0, dst, dst)[1]
     for d in range(d_tp):
         assert sorted(got[d]) == list(range(total))  # all, once
-        sent = sorted(k for k in per_pair if k.endswith(f"d{d}"))
-        assert sorted(latent_expected_parts("T", total, p_tp, d)) == sent
-        shares = [per_pair.get(part_id("T", p, d), 0) for p in range(p_tp)]
+        # the decode rank expects exactly the parts that come, filling what each sends
+        assert latent_expected_parts("T", "E", dst, p_tp, d) == {
+            k: v for k, v in dst_of_pair.items() if k.endswith(f"d{d}")}
+        shares = [per_pair.get(part_id("T", "E", p, d), 0) for p in range(p_tp)]
         assert max(shares) - min(shares) <= 1, shares  # each P rank: 1/p_tp of it, +-1 block
     # the larger segments rotate over the prefill ranks
-    per_prefill = [sum(n for k, n in per_pair.items() if k.startswith(f"T|p{p}d")) for p in range(p_tp)]
+    per_prefill = [sum(n for k, n in per_pair.items() if k.startswith(f"T@E|p{p}d")) for p in range(p_tp)]
     assert max(per_prefill) - min(per_prefill) <= max(1, d_tp // p_tp + 1) if total else True
 
 
@@ -64,7 +67,8 @@ def test_bad_segments_and_mla_with_pipeline_parallelism_are_refused():
 
 
 class _Conn:
-    def __init__(self):
+    def __init__(self, engine_id):
+        self.engine_id = engine_id
         self.expected = []
 
     def expect(self, tid):
@@ -103,8 +107,8 @@ def test_producer_chunks_and_consumer_expectations_agree(p_tp, d_tp):
     for d in range(d_tp):
         assert received[d] == set(dst)
         c = ConsumerWorker.__new__(ConsumerWorker)
-        c.latent, c._by_head, c.tp_size, c.tp_rank, c.conn = True, False, d_tp, d, _Conn()
-        c._recv_blocks, c._recv_left, c._recv_tid_to_req, c._early = {}, {}, {}, {}
+        c.latent, c._by_head, c.tp_size, c.tp_rank, c.conn = True, False, d_tp, d, _Conn(f"D-{d}")
+        c._recv_blocks, c._recv_left, c._recv_tid_to_req, c._early, c._part_units = {}, {}, {}, {}, {}
         c._expect("r", "T", p_tp, dst)
         assert set(c.conn.expected) == sent_parts[d]
 

@@ -17,6 +17,9 @@ reference tokens itself (a request without kv_transfer_params is served locally)
 - A prefill aborted part-way: D keeps the chunks that landed, reports the rest as load
   errors and recomputes only those (the reference tokens, fewer prompt tokens than the
   prompt); D told to trust the whole transfer instead answers wrongly.
+- A transfer that reports itself finished with a block left out (a hole): D's check
+  that the landed chunks cover every block it expected makes that block a load error
+  and D recomputes from it; with the check off, D answers wrongly.
 """
 import time
 import os
@@ -100,7 +103,7 @@ class Harness:
         KV comparison with P, and how many prompt tokens D computed itself."""
         reference = self.reference(i)
         self.seq += 1
-        tid = f"{how or 'clean'}-{self.seq}"
+        tid = f"{(how or 'clean').replace(',', '-')}-{self.seq}"  # modes: comma-separated
         self.sabotage(how)
         try:
             out, _ = offline.disaggregated_request(
@@ -210,3 +213,18 @@ def test_decode_trusting_a_partial_transfer_whole_answers_wrongly(engines):
     got = engines.abort_part_way(i, "trust_all")
     assert got["local_prompt_tokens"] == 1, "D should have taken the whole prompt as loaded"
     assert not got["tokens_match"], "tokens survived missing KV: the partial-failure check is blind"
+
+
+def test_a_finished_transfer_with_a_hole_is_recomputed_from_the_hole(engines):
+    i = PROMPT_LENS.index(300)  # blocks of 32 tokens: the last one holds 300 - 288 = 12
+    got = engines.push(i, "D", "skip_last_block")
+    assert got["tokens_match"], got
+    assert got["local_prompt_tokens"] == 300 - 288, "D should have recomputed the missing block alone"
+
+
+def test_decode_without_the_coverage_check_answers_wrongly_after_a_hole(engines):
+    """Negative control of the test above."""
+    i = PROMPT_LENS.index(300)
+    got = engines.push(i, "D", "skip_last_block,no_coverage_check")
+    assert got["local_prompt_tokens"] == 1, "D should have taken the whole prompt as loaded"
+    assert not got["tokens_match"], "tokens survived a hole: the coverage check is blind"

@@ -34,9 +34,9 @@ def test_every_head_lands_once_on_every_decode_rank_that_holds_it(kv_heads, p_tp
             s_units = p_caches[r].view(-1, BLOCK_SIZE, 2 * HEAD)
             d_units = d_caches[plan.decode_rank].view(-1, BLOCK_SIZE, 2 * HEAD)
             d_units[torch.tensor(dst)] = s_units[torch.tensor(src)]
-            pid = part_id("T", r, plan.decode_rank)
+            pid = part_id("T", "E", r, plan.decode_rank)
             assert pid not in sent
-            sent[pid] = plan
+            sent[pid] = (plan, dst)
             for h in range(plan.heads.start, plan.heads.stop):  # the sender holds what it sends
                 assert rank_heads(kv_heads, p_tp, r).start <= h < rank_heads(kv_heads, p_tp, r).stop
     for d in range(d_tp):
@@ -45,12 +45,13 @@ def test_every_head_lands_once_on_every_decode_rank_that_holds_it(kv_heads, p_tp
             assert torch.equal(d_caches[d][t], full[s, heads.start:heads.stop]), (d, s, t)
         untouched = [b for b in range(BLOCKS) if b not in dst_blocks]
         assert (d_caches[d][untouched] == -1.0).all()
-        # the decode rank expects exactly the parts that were sent to it
-        assert sorted(expected_parts("T", kv_heads, p_tp, d_tp, d)) == sorted(
-            p for p, plan in sent.items() if plan.decode_rank == d)
+        # the decode rank expects exactly the parts that were sent to it, each filling
+        # exactly the units its prefill rank writes
+        assert expected_parts("T", "E", dst_blocks, kv_heads, p_tp, d_tp, d) == {
+            pid: dst for pid, (plan, dst) in sent.items() if plan.decode_rank == d}
     # a replicated head is sent by one prefill rank only
     per_head_senders = {}
-    for pid, plan in sent.items():
+    for pid, (plan, _) in sent.items():
         for h in range(plan.heads.start, plan.heads.stop):
             per_head_senders.setdefault((h, plan.decode_rank), set()).add(pid)
     assert all(len(v) == 1 for v in per_head_senders.values())
@@ -83,6 +84,7 @@ def _decode_worker(local_heads: int, by_head: bool):
     worker._recv_left, worker._recv_blocks, worker._recv_valid = {}, {}, {}
     worker._recv_bad, worker._ended_ok, worker._ended_failed = set(), set(), set()
     worker._load_errors, worker.metrics = set(), StatsCollector("consumer")
+    worker._recv_tid_to_req, worker._part_units = {}, {}
     return worker
 
 
@@ -112,3 +114,22 @@ def test_a_part_that_landed_nothing_fails_the_whole_request():
     w._part_failed("r", w._valid_blocks([[7], []]))  # its only landed block may be cut
     w._recv_ended("r")
     assert w._ended_failed == {"r"} and w.get_block_ids_with_load_errors() == set()
+
+
+@pytest.mark.parametrize("local_heads,by_head", [(1, False), (2, True)])
+def test_a_part_reported_finished_with_a_hole_makes_the_hole_a_load_error(local_heads, by_head):
+    """A part whose every chunk landed but whose chunks do not cover every unit it was
+    expected to fill (P left block 9 out): the blocks not covered are load errors, the
+    request is reported received; a part that covers them all leaves none."""
+    w = _decode_worker(local_heads, by_head)
+
+    def units(blocks):
+        return [b * local_heads + h for b in blocks for h in range(local_heads)]
+
+    for req, landed in (("hole", [units([7, 3]), units([3, 4])]), ("whole", [units([7, 3]), units([9, 4])])):
+        w._recv_left[req], w._recv_blocks[req] = {req + "|p0"}, [7, 3, 9, 4]
+        w._recv_tid_to_req[req + "|p0"], w._part_units[req + "|p0"] = req, units([7, 3, 9, 4])
+        w._part_ended(req + "|p0", True, landed)
+        assert w._ended_ok >= {req} and not w._ended_failed
+    assert w.get_block_ids_with_load_errors() == {9}
+    assert w.metrics._pending.data.get("incomplete_transfers") == 1

@@ -28,14 +28,18 @@ prefill engine:
   engine stops itself with SIGSTOP in the middle of a push step, after its second
   attention layer was handed to the sender (a test resumes it with SIGCONT);
 - ``no_fence``: P's side of the fence is off: the sender ignores its write lease and
-  the decode side's revokes (docs/connector.md, "The fence").
+  the decode side's revokes (docs/connector.md, "The fence");
+- ``skip_last_block``: the worker leaves the last block out of each request's last
+  chunk (a hole in a transfer that reports itself finished).
 
 In a decode engine:
 
 - ``trust_all``: a transfer that failed part-way is taken as whole (no block is
   reported as a load error, so vLLM keeps blocks that never received their KV);
 - ``no_renewal``: the scheduler asks no prefill engine which transfers it still owes
-  (the leases are never renewed, for negative controls).
+  (the leases are never renewed, for negative controls);
+- ``no_coverage_check``: a transfer part reported finished is taken as having filled
+  every block it was expected to (the check for holes switched off).
 
 ``vllm serve`` engines (torch_kvops.serving) load it as a vLLM general plugin in every
 process (API server, engine core, workers): :func:`serving_env` gives a server the
@@ -178,6 +182,10 @@ def install(process_name: str) -> None:
         if "rotate" in how:
             for push in meta.push:
                 push.dst_blocks = push.dst_blocks[1:] + push.dst_blocks[:1]
+        if "skip_last_block" in how:
+            for push in meta.push:
+                if push.last_chunk and len(push.dst_blocks) > 1:
+                    push.src_blocks, push.dst_blocks = push.src_blocks[:-1], push.dst_blocks[:-1]
         if "slow" in how and meta.push:
             time.sleep(1.5)
         return begin_step(self, meta)
@@ -224,7 +232,15 @@ def install_decode() -> None:
             return set(range(self.num_blocks))
         return valid_blocks(self, landed)
 
+    part_ended = ConsumerWorker._part_ended
+
+    def sabotaged_part_ended(self, part, ok, landed):
+        if ok and "no_coverage_check" in modes():
+            landed = [self._part_units[part]]
+        return part_ended(self, part, ok, landed)
+
     ConsumerWorker._valid_blocks = sabotaged_valid_blocks
+    ConsumerWorker._part_ended = sabotaged_part_ended
 
     from torch_kvops.integrations.vllm.scheduler_consumer import ConsumerScheduler
 

@@ -290,7 +290,7 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity):
                     del owned[block]
         # With the integrity check on, bytes count only once verified, and verification
         # runs when the last chunk landed: a failed request's chunks are unverified.
-        if self._config.integrity_mode != "off" or entry.digest_mode is not None:
+        if not ok and (self._config.integrity_mode != "off" or entry.digest_mode is not None):
             trust_landed = False
         self._ledger.record_locked(req_id, ok=ok, landed=entry.landed if trust_landed else None)
 

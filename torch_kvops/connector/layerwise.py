@@ -259,11 +259,13 @@ class LayerwiseConnector:
             return self._ledger.outcome_locked(req_id)
 
     def landed_chunks(self, req_id: str) -> List[List[int]]:
-        """Consumer: of a request the last :meth:`get_finished` reported failed, the
-        destination blocks of each chunk whose every layer landed before the failure,
-        in order (empty: nothing usable). A block cut by a chunk boundary is whole only
-        once the next chunk landed. Nothing is vouched for after an integrity failure or
-        with the integrity check on (bytes count once verified, at the last chunk)."""
+        """Consumer: of a request the last :meth:`get_finished` reported, the
+        destination blocks of each chunk whose every layer landed, in order (a finished
+        request: all of them, so the engine can check they cover what it expected; a
+        failed one: those before the failure, empty if nothing is usable). A block cut
+        by a chunk boundary is whole only once the next chunk landed. Of a failed
+        request nothing is vouched for after an integrity failure or with the integrity
+        check on (bytes count once verified, at the last chunk)."""
         self._require("consumer", registered=True)
         return self._ledger.landed_chunks(req_id)
 

@@ -82,7 +82,7 @@ class RequestLedger:
         # quarantined: (due, req_id, ok, hold or None, when the hold gives up)
         self._delayed: List[Tuple[float, str, bool, Optional[Hold], float]] = []
         self._reported: "OrderedDict[str, bool]" = OrderedDict()  # req_id -> ok
-        # consumer: failed requests -> destination blocks of each chunk that landed
+        # consumer: ended requests -> destination blocks of each chunk that landed
         # whole, until drained; then kept for landed_chunks() until the next drain
         self._landed_pending: Dict[str, List[List[int]]] = {}
         self._landed: Dict[str, List[List[int]]] = {}
@@ -110,11 +110,11 @@ class RequestLedger:
     def record_locked(self, req_id: str, ok: bool,
                       landed: Optional[List[List[int]]] = None, counted: bool = False) -> None:
         """Under ``lock``: queue the id for :meth:`drain`, remember it was reported.
-        ``landed``: of a failed request, the destination blocks of each chunk that
-        landed whole before it failed (consumer; :meth:`landed_chunks`)."""
+        ``landed``: the destination blocks of each chunk of the request that landed
+        whole (consumer; :meth:`landed_chunks`)."""
         (self._finished if ok else self._failed).add(req_id)
         self.news.notify_all()
-        if not ok and landed:
+        if landed:
             self._landed_pending[req_id] = landed
         self._remember_locked(req_id, ok)
         if not counted:
@@ -162,7 +162,8 @@ class RequestLedger:
             self._delayed = held
             finished, failed = self._finished, self._failed
             self._finished, self._failed = set(), set()
-            self._landed = {r: self._landed_pending.pop(r) for r in failed if r in self._landed_pending}
+            self._landed = {r: self._landed_pending.pop(r) for r in finished | failed
+                            if r in self._landed_pending}
         return finished, failed
 
     def wait_for_news(self, timeout_s: float, busy: Callable[[], bool]) -> bool:
@@ -183,8 +184,8 @@ class RequestLedger:
             return bool(self._finished or self._failed)
 
     def landed_chunks(self, req_id: str) -> List[List[int]]:
-        """Of a request the last :meth:`drain` reported failed: the destination blocks
-        of each of its chunks that landed whole, in the order they landed."""
+        """Of a request the last :meth:`drain` reported: the destination blocks of
+        each of its chunks that landed whole, in the order they landed."""
         with self.lock:
             return list(self._landed.get(req_id, ()))
 

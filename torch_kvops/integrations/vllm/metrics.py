@@ -237,6 +237,10 @@ class KvopsPromMetrics(KVConnectorPromMetrics):
         "reused_transfer_ids": ("vllm:kvops_reused_transfer_ids",
                                 "Requests whose transfer id this decode rank had already used: "
                                 "recomputed (decode)."),
+        "incomplete_transfers": ("vllm:kvops_incomplete_transfers",
+                                 "Transfer parts reported finished whose chunks did not cover "
+                                 "every block expected: the blocks not covered are load errors "
+                                 "(decode)."),
         "lease_renewals": ("vllm:kvops_lease_renewals",
                            "Leases renewed because the prefill engine said it still owes the "
                            "push, e.g. the request waits in its queue (decode)."),

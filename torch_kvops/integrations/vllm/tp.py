@@ -67,16 +67,23 @@ def source_rank(head: int, total_kv_heads: int, tp_size: int) -> int:
     return head * (tp_size // total_kv_heads)
 
 
-def part_id(transfer_id: str, prefill_rank: int, decode_rank: int) -> str:
-    return f"{transfer_id}|p{prefill_rank}d{decode_rank}"
+def part_id(transfer_id: str, decode_engine: str, prefill_rank: int, decode_rank: int) -> str:
+    """The id of one part. ``decode_engine`` is the receiving rank's connector engine
+    id, a nonce of that decode process: a transfer id used again with a restarted
+    decode instance cannot match anything reported before."""
+    return f"{transfer_id}@{decode_engine}|p{prefill_rank}d{decode_rank}"
 
 
-def expected_parts(transfer_id: str, total_kv_heads: int, prefill_tp: int, decode_tp: int,
-                   decode_rank: int) -> List[str]:
-    """Decode side: the part ids ``decode_rank`` receives for one request."""
+def expected_parts(transfer_id: str, decode_engine: str, block_ids: Sequence[int], total_kv_heads: int,
+                   prefill_tp: int, decode_tp: int, decode_rank: int) -> Dict[str, List[int]]:
+    """Decode side: per part ``decode_rank`` receives for one request, the units of
+    ``block_ids`` it fills (the heads its prefill rank sends, PartPlan.units)."""
     heads = rank_heads(total_kv_heads, decode_tp, decode_rank)
-    sources = sorted({source_rank(h, total_kv_heads, prefill_tp) for h in range(heads.start, heads.stop)})
-    return [part_id(transfer_id, s, decode_rank) for s in sources]
+    local: Dict[int, List[int]] = {}  # prefill rank -> the local heads it sends here
+    for h in range(heads.start, heads.stop):
+        local.setdefault(source_rank(h, total_kv_heads, prefill_tp), []).append(h - heads.start)
+    return {part_id(transfer_id, decode_engine, s, decode_rank): [b * len(heads) + k for b in block_ids for k in ks]
+            for s, ks in sorted(local.items())}
 
 
 @dataclass(frozen=True)
@@ -153,11 +160,13 @@ def latent_parts(total_blocks: int, prefill_tp: int, prefill_rank: int, decode_t
     return [p for p in parts if len(p.positions)]
 
 
-def latent_expected_parts(transfer_id: str, total_blocks: int, prefill_tp: int, decode_rank: int) -> List[str]:
-    """Decode side, MLA: the part ids ``decode_rank`` receives for a request of
-    ``total_blocks`` pushed blocks (a prefill rank with an empty share sends none)."""
-    return [part_id(transfer_id, p, decode_rank) for p in range(prefill_tp)
-            if len(latent_share(total_blocks, prefill_tp, p, decode_rank))]
+def latent_expected_parts(transfer_id: str, decode_engine: str, block_ids: Sequence[int], prefill_tp: int,
+                          decode_rank: int) -> Dict[str, List[int]]:
+    """Decode side, MLA: per part ``decode_rank`` receives for a request that pushes
+    ``block_ids``, the blocks it fills (a prefill rank with an empty share sends none)."""
+    shares = {p: latent_share(len(block_ids), prefill_tp, p, decode_rank) for p in range(prefill_tp)}
+    return {part_id(transfer_id, decode_engine, p, decode_rank): [block_ids[i] for i in share]
+            for p, share in shares.items() if len(share)}
 
 
 def check_tp(total_kv_heads: int, tp_size: int, use_mla: bool, pp_size: int) -> None:

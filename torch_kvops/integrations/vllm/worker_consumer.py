@@ -1,6 +1,7 @@
 """Decode worker: expects the parts of each request it receives (tp.py) and reports
 the request received once every part ended. A part that failed after some chunks
-landed leaves its whole blocks usable: the rest become vLLM load errors."""
+landed leaves its whole blocks usable: the rest become vLLM load errors; so do the
+blocks a part reported finished did not cover (no hole goes unnoticed)."""
 from __future__ import annotations
 
 import logging
@@ -31,11 +32,11 @@ class ConsumerWorker(KvopsWorker):
         self._recv_blocks: Dict[str, List[int]] = {}  # request id -> the blocks P fills
         # request id -> blocks every failed part of it filled (absent: no part failed)
         self._recv_valid: Dict[str, Set[int]] = {}
-        self._part_valid: "OrderedDict[str, Set[int]]" = OrderedDict()  # failed early part -> ...
+        self._part_units: Dict[str, List[int]] = {}  # part id -> the units it must fill
         self._load_errors: Set[int] = set()  # blocks to report as not loaded (partial failure)
         # transfers that ended before their request reached this worker (P was faster
-        # than this engine's step): tid -> ok, matched in begin_step
-        self._early: "OrderedDict[str, bool]" = OrderedDict()
+        # than this engine's step): tid -> (ok, landed chunks), matched in begin_step
+        self._early: "OrderedDict[str, Tuple[bool, List[List[int]]]]" = OrderedDict()
         self._ended_ok: Set[str] = set()
         self._ended_failed: Set[str] = set()
 
@@ -57,23 +58,25 @@ class ConsumerWorker(KvopsWorker):
 
     def _expect(self, req_id: str, transfer_id: str, prefill_tp: int, block_ids: List[int]) -> None:
         """Wait for the parts of ``transfer_id`` this rank receives (tp.py)."""
+        engine = self.conn.engine_id
         if prefill_tp <= 0:  # no answer from P: D recomputes and reuses the blocks
             log.warning("request %s: its destination was not accepted by the prefill side", req_id)
             # P may have accepted it all the same (its answer lost or late): refuse any
             # part of it this rank could be sent, so none is written into reused blocks
-            self.conn.refuse(part_id(transfer_id, p, self.tp_rank) for p in range(MAX_PREFILL_TP))
+            self.conn.refuse(part_id(transfer_id, engine, p, self.tp_rank) for p in range(MAX_PREFILL_TP))
             self._ended_failed.add(req_id)
             return
         self._recv_blocks[req_id] = list(block_ids)
         if self.latent:
-            parts = latent_expected_parts(transfer_id, len(block_ids), prefill_tp, self.tp_rank)
+            parts = latent_expected_parts(transfer_id, engine, block_ids, prefill_tp, self.tp_rank)
         elif self._by_head:
-            parts = expected_parts(transfer_id, self.total_kv_heads, prefill_tp, self.tp_size,
-                                   self.tp_rank)
+            parts = expected_parts(transfer_id, engine, block_ids, self.total_kv_heads, prefill_tp,
+                                   self.tp_size, self.tp_rank)
         else:
-            parts = [part_id(transfer_id, self.tp_rank, self.tp_rank)]
+            parts = {part_id(transfer_id, engine, self.tp_rank, self.tp_rank): list(block_ids)}
         left = self._recv_left[req_id] = set()
-        for part in parts:
+        ended_early = []
+        for part, units in parts.items():
             early = self._early.pop(part, None)
             if early is None and not self.conn.expect(part):
                 # an id this rank already reported or refused (a transfer id used again):
@@ -81,12 +84,37 @@ class ConsumerWorker(KvopsWorker):
                 log.error("request %s: transfer part %s was already used here: recomputing", req_id, part)
                 self.metrics.count("reused_transfer_ids")
                 self._part_failed(req_id, set())
-            elif early is None:
-                left.add(part)
-                self._recv_tid_to_req[part] = req_id
-            elif not early:
-                self._part_failed(req_id, self._part_valid.pop(part, set()))
-        log.debug("expecting %s (%s) at %.4f", transfer_id, parts, time.monotonic())
+                continue
+            left.add(part)
+            self._recv_tid_to_req[part] = req_id
+            self._part_units[part] = units
+            if early is not None:
+                ended_early.append((part, early))
+        log.debug("expecting %s (%s) at %.4f", transfer_id, list(parts), time.monotonic())
+        if not left:
+            self._recv_ended(req_id)
+        for part, (ok, landed) in ended_early:
+            self._part_ended(part, ok, landed)
+
+    def _part_ended(self, part: str, ok: bool, landed: List[List[int]]) -> None:
+        """A part of a request this rank expects ended. One reported finished must have
+        filled every unit it was expected to (at its last chunk, the chunks that landed
+        cover them), else the units not covered are load errors."""
+        req_id = self._recv_tid_to_req.pop(part)
+        units = self._part_units.pop(part)
+        if not ok:
+            self._part_failed(req_id, self._valid_blocks(landed))
+        else:
+            missing = set(units).difference(*landed)
+            if missing:
+                log.error("request %s: transfer part %s finished without filling %d of its %d units",
+                          req_id, part, len(missing), len(units))
+                self.metrics.count("incomplete_transfers")
+                per_block = len(self.heads) if self._by_head else 1
+                self._part_failed(req_id, {u // per_block for u in units}
+                                  - {u // per_block for u in missing})
+        left = self._recv_left[req_id]
+        left.discard(part)
         if not left:
             self._recv_ended(req_id)
 
@@ -147,25 +175,16 @@ class ConsumerWorker(KvopsWorker):
         recving, bad = self._ended_ok | self._ended_failed, set(self._ended_failed)
         self._ended_ok, self._ended_failed = set(), set()
         for tid in done | failed:
-            req_id = self._recv_tid_to_req.pop(tid, None)
-            valid = self._valid_blocks(self.conn.landed_chunks(tid)) if tid in failed else None
-            if req_id is None:
-                self._early[tid] = tid in done
-                if valid is not None:
-                    self._part_valid[tid] = valid
+            landed = self.conn.landed_chunks(tid)
+            if tid not in self._recv_tid_to_req:
+                self._early[tid] = (tid in done, landed)
                 if len(self._early) > 10_000:  # a transfer no request here ever claims
                     dropped, _ = self._early.popitem(last=False)
-                    self._part_valid.pop(dropped, None)
                     log.warning("transfer %s ended but no request here claimed it", dropped)
                 continue
             log.debug("transfer %s landed (%s) at %.4f", tid, "ok" if tid in done else "failed",
                       time.monotonic())
-            if valid is not None:
-                self._part_failed(req_id, valid)
-            left = self._recv_left[req_id]
-            left.discard(tid)
-            if not left:
-                self._recv_ended(req_id)
+            self._part_ended(tid, tid in done, landed)
         recving |= self._ended_ok | self._ended_failed
         bad |= self._ended_failed
         self._ended_ok, self._ended_failed = set(), set()

@@ -127,7 +127,7 @@ class ProducerWorker(KvopsWorker):
         if not by_head:  # whole blocks, rank to rank
             peer = self._peer(push.peers[self.tp_rank])
             out.append(None if peer is None else TransferRequest(
-                part_id(push.transfer_id, self.tp_rank, self.tp_rank), peer, push.src_blocks,
+                self._part_id(push, self.tp_rank), peer, push.src_blocks,
                 push.dst_blocks, last_chunk=push.last_chunk))
             return out
         for plan in plan_parts(self.total_kv_heads, self.tp_size, self.tp_rank, decode_tp):
@@ -136,9 +136,13 @@ class ProducerWorker(KvopsWorker):
                 out.append(None)
                 continue
             src, dst = plan.units(push.src_blocks, push.dst_blocks)
-            out.append(TransferRequest(part_id(push.transfer_id, self.tp_rank, plan.decode_rank),
+            out.append(TransferRequest(self._part_id(push, plan.decode_rank),
                                        peer, src, dst, last_chunk=push.last_chunk))
         return out
+
+    def _part_id(self, push, decode_rank: int) -> str:
+        """This rank's part of ``push`` toward ``decode_rank``, under that rank's nonce."""
+        return part_id(push.transfer_id, push.peers[decode_rank]["engine_id"], self.tp_rank, decode_rank)
 
     def _plan_latent(self, push) -> List[Optional[TransferRequest]]:
         """MLA: this rank's share of the chunk's blocks for every decode rank (tp.py).
@@ -153,7 +157,7 @@ class ProducerWorker(KvopsWorker):
                 out.append(None)
                 continue
             src, dst = part.chunk(push.block_offset, push.src_blocks, push.dst_blocks)
-            out.append(TransferRequest(part_id(push.transfer_id, self.tp_rank, part.decode_rank),
+            out.append(TransferRequest(self._part_id(push, part.decode_rank),
                                        peer, src, dst, last_chunk=push.last_chunk))
         return out
 
