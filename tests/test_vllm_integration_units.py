@@ -4,6 +4,8 @@ import json
 import socket
 import time
 
+import types
+
 import pytest
 import torch
 
@@ -114,8 +116,11 @@ class _Request:
 
 
 class _Blocks:
-    def __init__(self, ids):
+    """vLLM's KVCacheManager as the scheduler uses it: blocks per request, pool size."""
+
+    def __init__(self, ids, pool_blocks=1000):
         self.ids = ids
+        self.block_pool = types.SimpleNamespace(num_gpu_blocks=pool_blocks)
 
     def get_block_ids(self, req_id):
         return (self.ids[req_id],)

@@ -6,6 +6,8 @@ installed vLLM's base-class signatures."""
 import inspect
 import time
 
+import types
+
 import pytest
 import torch
 
@@ -23,8 +25,11 @@ class _Request:
 
 
 class _Blocks:
-    def __init__(self, ids):
+    """vLLM's KVCacheManager as the scheduler uses it: blocks per request, pool size."""
+
+    def __init__(self, ids, pool_blocks=1000):
         self.ids = ids
+        self.block_pool = types.SimpleNamespace(num_gpu_blocks=pool_blocks)
 
     def get_block_ids(self, req_id):
         return (self.ids[req_id],)
@@ -192,6 +197,22 @@ def test_holds_are_released_oldest_first_over_their_count_bound(producer):
         assert sched.request_finished(req)[0] is True
     assert _step(sched).release == ["r"] and sched.held == 1
     assert sched.connector_stats().data["failed_hold_overflow"] == 1
+
+
+def test_holds_are_released_oldest_first_over_their_share_of_the_pool(producer):
+    """Two 4-block holds in a 12-block pool with a share of one half: the second one
+    takes the holds to 8 blocks, over 6, so the oldest goes at once."""
+    sched = producer(max_held_pool_share=0.5)
+    sched.kv_cache_manager.block_pool.num_gpu_blocks = 12
+    for rid in ("r", "s"):
+        req = _Request(rid, {"do_remote_decode": True, "transfer_id": "t" + rid}, prompt=100)
+        sched.get_num_new_matched_tokens(req, 0)
+        req.num_computed_tokens = 100
+        assert sched.request_finished(req)[0] is True
+    assert _step(sched).release == ["r"] and sched.held == 1
+    assert sched.connector_stats().data["failed_hold_pool_share"] == 1
+    _post(sched.server, "ts", [20, 21, 22, 23])  # the hold left is bound and pushed
+    assert _pushes(_step(sched)) == [([14, 15, 16, 17], [20, 21, 22, 23], True, True)]
 
 
 def test_no_hold_without_late_binding_or_for_an_unfinished_prefill(producer):

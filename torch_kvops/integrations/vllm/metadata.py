@@ -31,10 +31,12 @@ class KvopsSettings:
         both their KV is written and D's destination arrived (docs/vllm.md). False gives
         the D-first protocol: a request waits up to ``wait_for_decode_s`` for its
         destination, then is prefilled without push.
-    hold_for_decode_s / max_held_requests: prefill side, late binding: a request that
-        finished before its destination arrived keeps its blocks at most this long, and
-        at most this many such requests are held (over either bound the oldest hold is
-        released; D recomputes when its lease ends). ``max_held_requests=0`` holds none.
+    hold_for_decode_s / max_held_requests / max_held_pool_share: prefill side, late
+        binding: a request that finished before its destination arrived keeps its
+        blocks at most this long, at most this many such requests are held, and the
+        holds together keep at most this share of P's KV blocks (over any bound the
+        oldest hold is released; D recomputes when its lease ends).
+        ``max_held_requests=0`` holds none.
     wait_for_decode_s: prefill side: how long a request waits for its decode
         destination before P schedules it (the D-first wait). With late binding it is
         then scheduled anyway and pushes when the destination comes: a short wait suits
@@ -73,6 +75,7 @@ class KvopsSettings:
     late_binding: bool = True
     hold_for_decode_s: float = 30.0
     max_held_requests: int = 64
+    max_held_pool_share: float = 0.5
     wait_for_decode_s: Optional[float] = None  # None: 0 with late binding, else 10
     post_timeout_s: float = 2.0
     post_retries: int = 2
@@ -110,6 +113,8 @@ class KvopsSettings:
             raise ValueError(f"wait_for_decode_s must be >= 0, got {settings.wait_for_decode_s!r}")
         if not settings.hold_for_decode_s > 0:
             raise ValueError(f"hold_for_decode_s must be > 0, got {settings.hold_for_decode_s!r}")
+        if not 0 < settings.max_held_pool_share <= 1:
+            raise ValueError(f"max_held_pool_share must be in (0, 1], got {settings.max_held_pool_share!r}")
         if not isinstance(settings.max_held_requests, int) or settings.max_held_requests < 0:
             raise ValueError(f"max_held_requests must be an integer >= 0, got "
                              f"{settings.max_held_requests!r}")

@@ -14,8 +14,10 @@ are bound; a bound request then pushes what is written by the end of the step:
   True) and the next step pushes all of them; when no request is scheduled, vLLM still
   runs a step without a forward, and the workers push every layer in ``wait_for_save``.
 
-A finished request waits for its destination at most ``hold_for_decode_s``, and at most
-``max_held_requests`` wait: over either bound the oldest hold is released (the workers
+A finished request waits for its destination at most ``hold_for_decode_s``, at most
+``max_held_requests`` wait, and together they keep at most ``max_held_pool_share`` of
+P's KV blocks (64 long prompts must not starve new requests of blocks): over any
+bound the oldest hold is released (the workers
 report it in ``finished_sending`` so vLLM frees its blocks once; D recomputes when its
 lease ends). ``wait_for_decode_s`` (0 by default with late binding) keeps a request
 out of the schedule until its destination arrived, at most that long, so that a
@@ -95,6 +97,7 @@ class ProducerScheduler:
         self._no_push: Set[str] = set()
         self._pushes: Dict[str, _Push] = {}  # scheduled requests with a transfer
         self._held: "OrderedDict[str, _Push]" = OrderedDict()  # finished, unbound, oldest first
+        self._held_blocks = 0  # the blocks the holds keep
         self._release: List[str] = []  # holds given up, for the next step's workers
         self._releasing: Set[str] = set()  # ... until the workers reported them
         self._awaiting_free: Set[str] = set()  # finished, blocks held until the push ends
@@ -228,10 +231,14 @@ class ProducerScheduler:
         for req_id, push in list(self._held.items()):
             dest = self.server.take(push.transfer_id)
             if dest is not None:
-                del self._held[req_id]
+                self._unhold(req_id)
                 self._bind(push, dest)
                 bound.append((req_id, push))
         return bound
+
+    def _unhold(self, req_id: str) -> None:
+        push = self._held.pop(req_id)
+        self._held_blocks -= len(push.src_blocks)
 
     def _push_held(self, held: List[Tuple[str, _Push]], meta: KvopsConnectorMetadata) -> None:
         """Held requests bound this step: every block at once."""
@@ -256,17 +263,19 @@ class ProducerScheduler:
     def _expire_holds(self, now: float) -> None:
         while self._held:
             req_id, push = next(iter(self._held.items()))
+            pool = self.kv_cache_manager.block_pool.num_gpu_blocks
             if len(self._held) > self.settings.max_held_requests:
-                cause = "hold_overflow"
+                cause, why = "hold_overflow", f"while {self.settings.max_held_requests} requests were held"
+            elif self._held_blocks > self.settings.max_held_pool_share * pool:
+                cause, why = "hold_pool_share", (f"while holds kept {self._held_blocks} of the "
+                                                 f"{pool} KV blocks")
             elif now - push.held_since > self.settings.hold_for_decode_s:
-                cause = "hold_expired"
+                cause, why = "hold_expired", f"within {self.settings.hold_for_decode_s:.1f} s"
             else:
                 return
-            del self._held[req_id]
+            self._unhold(req_id)
             log.warning("request %s (transfer %s): no decode destination %s; its blocks are "
-                        "freed (the decode side recomputes)", req_id, push.transfer_id,
-                        f"within {self.settings.hold_for_decode_s:.1f} s" if cause == "hold_expired"
-                        else f"while {self.settings.max_held_requests} requests were held")
+                        "freed (the decode side recomputes)", req_id, push.transfer_id, why)
             self.counts.failure(cause)
             self.counts.count("held_change", -1)
             self.server.settle(push.transfer_id)
@@ -297,6 +306,7 @@ class ProducerScheduler:
             push.held_since = time.monotonic()
             push.src_blocks = list(self.kv_cache_manager.get_block_ids(req_id)[0])
             self._held[req_id] = push
+            self._held_blocks += len(push.src_blocks)
             self.counts.count("holds")
             self.counts.count("held_change", 1)
             self._expire_holds(push.held_since)  # the count bound, at once
