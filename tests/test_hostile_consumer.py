@@ -3,11 +3,14 @@ or foreign values (issue 33): the producer never dies and never raises out of it
 calls; only that consumer's requests fail (or the producer refuses to connect to it),
 and a good consumer served in the same steps keeps receiving byte-exact. Real
 processes over the real Mooncake engine; the hostile answers are made in the consumer
-process (``ConsumerProcess(hostile=...)``, torch_kvops/testing/consumer_process.py).
+process (``ConsumerProcess(hostile=...)``, torch_kvops/testing/consumer_process.py):
+nine fixed cases, and answers Hypothesis makes up field by field.
 """
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
 from torch_kvops.testing.consumer_process import HOSTILE, ConsumerProcess
@@ -41,6 +44,52 @@ def _outcomes(conn, wanted):
 
 @pytest.mark.parametrize("how", sorted(HOSTILE))
 def test_a_hostile_consumer_fails_its_own_requests_only(how):
+    bad_failed = _serve_beside_a_hostile_consumer(how, refused_at_connect=how in REFUSED_AT_CONNECT)
+    assert how in REFUSED_AT_CONNECT or bad_failed >= 1, f"{how}: the hostile consumer's requests must fail"
+
+
+# What a consumer answers, field by field (control/ and connector/consumer.py)
+ANSWER_FIELDS = {"welcome": ["staging", "integrity", "op"], "begun": ["rejected", "grant_s", "op"],
+                 "ack": ["slot", "refused", "op"]}
+JUNK = st.one_of(
+    st.none(), st.booleans(), st.integers(-2 ** 63, 2 ** 63), st.floats(allow_nan=True),
+    st.text(max_size=12), st.lists(st.integers(-5, 100), max_size=4),
+    # foreign ids: the good consumer's requests, named by the hostile one
+    st.lists(st.sampled_from(["good-0", "good-1", "bad-0", "bad-1"]), max_size=3),
+    st.dictionaries(st.sampled_from(["address", "slots", "slot_bytes", "x"]),
+                    st.one_of(st.integers(-1, 1 << 40), st.text(max_size=8)), max_size=3))
+
+
+@st.composite
+def _mutation(draw, op):
+    spec = {"op": op, "field": draw(st.sampled_from(ANSWER_FIELDS[op]))}
+    if draw(st.booleans()):
+        spec["drop"] = True
+    else:
+        spec["value"] = draw(JUNK)
+    return spec
+
+
+# every begin and staging ack answered with junk in one field; the welcome (which,
+# when refused, leaves nothing else to try) now and then
+MUTATIONS = st.tuples(_mutation("begun"), _mutation("ack"), st.one_of(st.none(), _mutation("welcome"))
+                      ).map(lambda specs: [s for s in specs if s is not None])
+
+
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(MUTATIONS)
+def test_property_no_consumer_answer_kills_the_producer_or_fails_another_consumer(specs):
+    """Hypothesis picks a field of each answer (welcome, begun, ack) and junk for it
+    (or drops it): the producer's step calls never raise, and a good consumer in the
+    same steps finishes byte-exact; at connect time only a clear refusal is allowed."""
+    _serve_beside_a_hostile_consumer(specs, refused_at_connect=None)
+
+
+def _serve_beside_a_hostile_consumer(how, refused_at_connect) -> int:
+    """Two steps pushing to a good consumer and a hostile one; the hostile one's
+    failed requests. ``refused_at_connect``: whether the producer must refuse the
+    hostile one at ``add_peer`` (None: either, a ValueError if it does)."""
     good = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **CONFIG)
     bad = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, hostile=how, **CONFIG)
     transport = MooncakeTransport(host="127.0.0.1")
@@ -49,10 +98,15 @@ def test_a_hostile_consumer_fails_its_own_requests_only(how):
     try:
         conn.register_kv_caches(caches)
         good_peer = conn.add_peer(good.info)
-        if how in REFUSED_AT_CONNECT:
+        if refused_at_connect:
             with pytest.raises(ValueError, match="staging grant"):
                 conn.add_peer(bad.info)  # refused before it sizes anything here
             bad_peer = None
+        elif refused_at_connect is None:
+            try:
+                bad_peer = conn.add_peer(bad.info)
+            except (ValueError, ConnectionError):  # a clear refusal, before anything was sized or sent
+                bad_peer = None
         else:
             bad_peer = conn.add_peer(bad.info)
         bad_failed = 0
@@ -73,8 +127,8 @@ def test_a_hostile_consumer_fails_its_own_requests_only(how):
             received = good.call("caches")
             for layer in range(LAYERS):
                 assert np.array_equal(received[layer][DST], caches[layer][SRC].numpy()), (how, layer)
-        assert bad_peer is None or bad_failed >= 1, f"{how}: the hostile consumer's requests must fail"
         assert conn.stats()["requests_finished"] >= 2
+        return bad_failed
     finally:
         conn.close()
         transport.close()

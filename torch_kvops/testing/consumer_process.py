@@ -28,14 +28,38 @@ HOSTILE = {
 }
 
 
-def _make_hostile(how: str) -> None:
+def _mutations(specs: list):
+    """Generated hostile answers (property-based tests): per spec, in every
+    ``spec["op"]`` answer, field ``spec["field"]`` is set to ``spec["value"]``, or
+    removed if ``spec.get("drop")``."""
+    by_op = {}
+    for spec in specs:
+        by_op.setdefault(spec["op"], []).append(spec)
+
+    def change(message):
+        message = dict(message)
+        for spec in by_op.get(message.get("op"), ()):
+            if spec.get("drop"):
+                message.pop(spec["field"], None)
+            else:
+                message[spec["field"]] = spec["value"]
+        return message
+    return by_op, change
+
+
+def _make_hostile(how) -> None:
+    """``how``: a HOSTILE name, or a list of mutation specs (:func:`_mutations`)."""
     from ..control.server import Session
 
-    op, change = HOSTILE[how]
+    if isinstance(how, str):
+        op, one = HOSTILE[how]
+        ops, change = {op}, one
+    else:
+        ops, change = _mutations(how)
     reply = Session.reply
 
     def hostile_reply(self, message):
-        reply(self, change(message) if message.get("op") == op else message)
+        reply(self, change(message) if message.get("op") in ops else message)
 
     Session.reply = hostile_reply
 
