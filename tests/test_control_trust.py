@@ -324,3 +324,47 @@ def test_later_chunks_of_a_request_to_a_dead_peer_are_not_reported_again():
         transport.close()
         alive.stop()
         doomed.kill()
+
+
+def test_a_producer_that_stops_reading_delays_only_its_own_answers():
+    """Every message is answered with 64 KiB. A producer that never reads fills its
+    socket; the server thread goes on answering another producer at once (its answers
+    queue in the reader's outbox, not in a blocking send), and drops the reader once
+    its answers went unread for ``send_timeout_s``."""
+    secret, closed = new_secret(), []
+
+    def on_message(message, session):
+        if message["op"] == "hello":
+            session.reply({"op": "welcome", "staging": None})
+        else:
+            session.reply({"op": "pong", "pad": "x" * (64 << 10)})
+
+    srv = ControlServer("127.0.0.1", on_message, closed.append, lambda: None, secret=secret,
+                        send_timeout_s=3.0)
+    srv.secret = secret
+    reader, stalled = client(srv, "reader"), client(srv, "stalled")
+    try:
+        stalled._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        for _ in range(400):  # 25 MiB of answers asked for: far beyond the socket buffers
+            try:
+                stalled.send({"op": "ping"})
+            except ConnectionError:  # dropped once its unread answers outgrew the outbox bound
+                break
+        worst = 0.0
+        for _ in range(20):
+            started = time.monotonic()
+            reader.send({"op": "ping"})
+            answer = reader.receive(5.0)
+            worst = max(worst, time.monotonic() - started)
+            assert answer is not None and answer["op"] == "pong"
+        print(f"slowest answer beside a producer that does not read: {worst * 1e3:.1f} ms")
+        assert worst < 0.5, worst
+        deadline = time.monotonic() + 10
+        while [s.producer for s in closed] != ["stalled"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [s.producer for s in closed] == ["stalled"], "the producer that stopped reading stays"
+        assert srv.counters_snapshot()["control_dropped"] == 1
+    finally:
+        reader.close()
+        stalled.close()
+        srv.close()

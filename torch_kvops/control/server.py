@@ -33,6 +33,8 @@ class Session:
         self._claimed: Optional[str] = None  # the id given in hello, not yet proven
         self.deadline = time.monotonic() + server.handshake_timeout_s
         self.tls_handshaking = False  # TLS handshake not done yet (a TLS server only)
+        self.outbox = bytearray()  # answers not yet taken by the producer's socket
+        self.unread_since: Optional[float] = None  # when the outbox last stopped draining
 
     @property
     def authenticated(self) -> bool:
@@ -51,13 +53,18 @@ class ControlServer:
     handler raises drops only its own connection (the producer then fails its requests).
 
     ``counters`` (read with :meth:`counters_snapshot`) count connections refused by the
-    handshake and connections dropped for a bad message."""
+    handshake and connections dropped for a bad message.
+
+    Answers never block the thread: each session has an outbox that the thread drains
+    as its socket takes bytes, so a producer that stops reading delays only its own
+    answers; it is dropped once they went unread for ``send_timeout_s`` or its outbox
+    outgrows ``max_outbox_bytes``."""
 
     def __init__(self, host: str, on_message: Callable[[dict, Session], None],
                  on_close: Callable[[Session], None], on_tick: Callable[[], None], *,
                  secret: str, tick_s: float = 0.05, send_timeout_s: float = 5.0,
                  handshake_timeout_s: Optional[float] = None,
-                 max_line_bytes: int = DEFAULT_MAX_LINE,
+                 max_line_bytes: int = DEFAULT_MAX_LINE, max_outbox_bytes: int = 16 << 20,
                  tls: Optional[ssl.SSLContext] = None) -> None:
         self._on_message, self._on_close, self._on_tick = on_message, on_close, on_tick
         self._tls = tls  # a server context: every connection is TLS (tls.TlsFiles)
@@ -67,6 +74,7 @@ class ControlServer:
         if max_line_bytes < MAX_HANDSHAKE_LINE:
             raise ValueError(f"max_line_bytes must be at least {MAX_HANDSHAKE_LINE}")
         self._max_line = int(max_line_bytes)
+        self._max_outbox = int(max_outbox_bytes)
         self._counter_lock = threading.Lock()
         self.counters = dict(control_auth_failed=0, control_dropped=0, control_refused_busy=0,
                              control_replaced=0)
@@ -92,12 +100,16 @@ class ControlServer:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                for key, _ in self._selector.select(timeout=self._tick_s):
+                for key, events in self._selector.select(timeout=self._tick_s):
                     if key.fileobj is self._listener:
                         self._accept()
-                    else:
+                        continue
+                    if events & selectors.EVENT_WRITE:
+                        self._flush(key.fileobj)
+                    if events & selectors.EVENT_READ and key.fileobj in self._sessions:
                         self._read(key.fileobj)
                 self._expire_handshakes()
+                self._expire_unread()
                 self._on_tick()
         except BaseException as exc:  # surfaced by check(); the thread must not die silently
             log.exception("control server failed")
@@ -230,18 +242,48 @@ class ControlServer:
             raise ProtocolError(f"{op!r} before the handshake completed")
 
     def _send(self, conn: socket.socket, message: dict) -> None:
-        if conn not in self._sessions:
+        session = self._sessions.get(conn)
+        if session is None:
             return  # dropped already
-        conn.settimeout(self._send_timeout_s)
+        session.outbox += (json.dumps(message) + "\n").encode()
+        if len(session.outbox) > self._max_outbox:
+            self._reject(conn, session, f"more than {self._max_outbox} bytes of answers unread")
+            return
+        self._flush(conn)
+
+    def _flush(self, conn: socket.socket) -> None:
+        """Hand the session's outbox to its socket, as much as it takes now; wait for
+        the socket to be writable for the rest."""
+        session = self._sessions.get(conn)
+        if session is None:
+            return
+        was_blocked = session.unread_since is not None
         try:
-            conn.sendall((json.dumps(message) + "\n").encode())
+            while session.outbox:
+                sent = conn.send(session.outbox)
+                del session.outbox[:sent]
+                session.unread_since = None if not session.outbox else time.monotonic()
+        except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+            if session.unread_since is None:
+                session.unread_since = time.monotonic()
         except OSError as exc:
             # A producer that closed after its last notice: its acks have no reader.
             level = logging.INFO if isinstance(exc, (ConnectionResetError, BrokenPipeError)) else logging.WARNING
             log.log(level, "dropping control connection: reply failed: %s", exc)
             self._drop(conn)
             return
-        conn.setblocking(False)
+        blocked = bool(session.outbox)
+        if blocked != was_blocked:
+            self._selector.modify(conn, selectors.EVENT_READ | (selectors.EVENT_WRITE if blocked else 0))
+        if not blocked:
+            session.unread_since = None
+
+    def _expire_unread(self) -> None:
+        """Drop the producers that left their answers unread for ``send_timeout_s``."""
+        now = time.monotonic()
+        for conn, session in list(self._sessions.items()):
+            if session.unread_since is not None and now - session.unread_since > self._send_timeout_s:
+                self._reject(conn, session, f"answers unread for {self._send_timeout_s:.1f} s")
 
     def _drop(self, conn: socket.socket) -> None:
         session = self._sessions.pop(conn, None)

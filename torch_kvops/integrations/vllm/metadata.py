@@ -52,6 +52,10 @@ class KvopsSettings:
         up to this long for one to end (it wakes when one does) instead of returning
         at once: vLLM steps such an engine in a busy loop (~1,000 empty steps a second,
         each through its executor's message queue). 0: no wait.
+    connect_wait_s: P: how long a step waits for a new link to a decode rank (made on a
+        connect thread, links.py) before it goes on without it, that request's part
+        failing (its decode side recomputes) while the connection goes on: a decode
+        instance that drops packets costs P's steps this long per attempt.
     peer_idle_s: P closes the link to a decode instance (control channel, staging
         registration and buffer) once it failed, or carried no request for this long,
         and has none in flight; it is connected again when a request needs it. A
@@ -76,6 +80,7 @@ class KvopsSettings:
     hold_for_decode_s: float = 30.0
     max_held_requests: int = 64
     max_held_pool_share: float = 0.5
+    connect_wait_s: float = 2.0
     wait_for_decode_s: Optional[float] = None  # None: 0 with late binding, else 10
     post_timeout_s: float = 2.0
     post_retries: int = 2
@@ -113,6 +118,8 @@ class KvopsSettings:
             raise ValueError(f"wait_for_decode_s must be >= 0, got {settings.wait_for_decode_s!r}")
         if not settings.hold_for_decode_s > 0:
             raise ValueError(f"hold_for_decode_s must be > 0, got {settings.hold_for_decode_s!r}")
+        if not settings.connect_wait_s >= 0:
+            raise ValueError(f"connect_wait_s must be >= 0, got {settings.connect_wait_s!r}")
         if not 0 < settings.max_held_pool_share <= 1:
             raise ValueError(f"max_held_pool_share must be in (0, 1], got {settings.max_held_pool_share!r}")
         if not isinstance(settings.max_held_requests, int) or settings.max_held_requests < 0:

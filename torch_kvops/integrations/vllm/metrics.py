@@ -234,6 +234,12 @@ class KvopsPromMetrics(KVConnectorPromMetrics):
                              "retries, a broken control channel); connected again later (prefill)."),
         "peer_reconnected": ("vllm:kvops_peer_reconnected",
                              "Links to a decode instance connected again after a failure (prefill)."),
+        "peer_connect_pending": ("vllm:kvops_peer_connect_pending",
+                                 "Pushes that went without their decode rank because its link "
+                                 "was still connecting after connect_wait_s (prefill)."),
+        "peers_released": ("vllm:kvops_peers_released",
+                           "Links to decode ranks released because they failed or idled for "
+                           "peer_idle_s (prefill)."),
         "reused_transfer_ids": ("vllm:kvops_reused_transfer_ids",
                                 "Requests whose transfer id this decode rank had already used: "
                                 "recomputed (decode)."),

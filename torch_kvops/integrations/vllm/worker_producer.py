@@ -8,7 +8,7 @@ they go with the step's forward, layer by layer, and in a step without a forward
 pushes every layer the forward did not. On CUDA caches such a push records its layer
 event on the current stream after every kernel the engine queued before it, so it
 orders after the step that wrote the KV (not run here: no GPU)."""
-# house: long because one state machine (parts, outcomes, frees) per vLLM request reads best whole; links (breaker, release) are three short methods
+# house: long because one state machine (parts, outcomes, frees) per vLLM request reads best whole
 from __future__ import annotations
 
 import logging
@@ -16,8 +16,8 @@ import time
 from collections import deque
 from typing import Dict, List, Optional, Set, Tuple
 
-from ...connector.breaker import PeerBreaker
 from ...plan import TransferRequest
+from .links import DecodeLinks
 from .metadata import KvopsConnectorMetadata, KvopsSettings
 from .tp import latent_parts, part_id, plan_parts
 from .worker import KvopsWorker
@@ -37,10 +37,7 @@ class ProducerWorker(KvopsWorker):
         self._step_tids: List[str] = []
         self._step_started = 0.0  # time.monotonic() when the running step was handed over
         self._steps: deque = deque(maxlen=256)  # recent push steps, for recent_steps()
-        self._peers: Dict[str, str] = {}  # consumer engine id -> peer id
-        self._breaker = PeerBreaker()  # decode instances whose link failed
-        self._next_release = 0.0  # when idle links are looked for next
-        self._ever_connected: Set[str] = set()  # decode engine ids (a new link is a reconnect)
+        self._links = DecodeLinks(self.conn, settings, self.metrics)
         # per request id
         self._tid_to_req: Dict[str, str] = {}  # part id -> request id
         self._parts: Dict[str, Set[str]] = {}  # request id -> its parts not yet ended
@@ -56,7 +53,7 @@ class ProducerWorker(KvopsWorker):
 
     def begin_step(self, meta: KvopsConnectorMetadata) -> None:
         self._released.update(meta.release)
-        self._release_idle_peers()
+        self._links.release_idle()
         requests, modes = [], set()
         now = time.monotonic()
         for push in meta.push:
@@ -161,52 +158,15 @@ class ProducerWorker(KvopsWorker):
                                        peer, src, dst, last_chunk=push.last_chunk))
         return out
 
-    def _release_idle_peers(self) -> None:
-        """At most once a second: close the links that failed or idled (peer_idle_s)."""
-        now = time.monotonic()
-        if now < self._next_release:
-            return
-        self._next_release = now + 1.0
-        released = set(self.conn.release_peers(self.settings.peer_idle_s))
-        if released:
-            self._peers = {e: p for e, p in self._peers.items() if p not in released}
-            self.metrics.count("peers_released", len(released))
+    def close(self) -> None:
+        try:
+            self._links.close()
+        finally:
+            super().close()
 
     def _peer(self, info: dict) -> Optional[str]:
-        """The peer id of a decode instance, connecting on first use; None while it
-        cannot be used. A circuit breaker: a link that failed (unreachable, a write
-        that failed after its retries, a broken control channel) is connected again
-        when a request needs it, after a bounded, jittered backoff that doubles with
-        each failure in a row (so a dead D does not stall the engine at every chunk),
-        and once none of its requests is in flight any more."""
-        engine_id = info["engine_id"]
-        peer = self._peers.get(engine_id)
-        if peer is not None:
-            reason = self.conn.peer_failed(peer)
-            if reason is None:
-                return peer
-            self._breaker.failed(engine_id, reason)  # the link broke: reconnect later
-            self.metrics.count("peer_link_broken")
-            del self._peers[engine_id]
-        if not self._breaker.may_try(engine_id):
-            return None
-        try:
-            peer = self.conn.add_peer(info)  # bounded by control_timeout_s and retries
-        except RuntimeError as exc:  # its old link still has requests in flight
-            log.info("decode instance %s: not connected again yet: %s", engine_id, exc)
-            return None
-        except (ConnectionError, OSError) as exc:
-            log.error("decode instance %s unreachable, its requests fail: %s", engine_id, exc)
-            self._breaker.failed(engine_id, str(exc))
-            return None
-        if engine_id in self._ever_connected:
-            self.metrics.count("peer_reconnected")
-        if len(self._ever_connected) > 4096:  # bounded while D instances come and go
-            self._ever_connected.clear()
-        self._ever_connected.add(engine_id)
-        self._breaker.closed(engine_id)
-        self._peers[engine_id] = peer
-        return peer
+        """The peer id of a decode rank; None while it cannot be used (links.py)."""
+        return self._links.peer(info)
 
     def save_kv_layer(self, layer_name: str) -> None:
         if self._step_mode != "layerwise":
