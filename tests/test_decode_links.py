@@ -3,11 +3,9 @@ issue 33): a decode instance that drops every packet costs a step ``connect_wait
 per attempt, not the connection's timeouts and retries, and a healthy decode instance
 is connected meanwhile. Real producer connector and consumer process over the real
 Mooncake engine; the dropping instance is an address in a network namespace this
-test creates, reached through a veth pair whose root side drops every packet (a ``tc
-tbf`` bucket too small for one), so a connection to it hangs as it would across a
-real network."""
-import os
-import subprocess
+test creates (torch_kvops/testing/netns_host.py), reached through a veth pair whose
+root side drops every packet, so a connection to it hangs as it would across a real
+network."""
 import time
 
 import pytest
@@ -18,36 +16,19 @@ from torch_kvops.integrations.vllm.links import DecodeLinks
 from torch_kvops.integrations.vllm.metadata import KvopsSettings
 from torch_kvops.integrations.vllm.metrics import StatsCollector
 from torch_kvops.testing.consumer_process import ConsumerProcess
+from torch_kvops.testing.netns_host import NetnsHost
 
 LAYERS, BLOCKS, BLOCK_SHAPE = 2, 16, (2, 8, 16)
 CONFIG = dict(transfer_timeout_s=3.0, max_retries=1, control_timeout_s=2.0)
 CONNECT_WAIT_S = 0.3
-DROPPING = "198.18.200.2"  # inside the namespace; 198.18.0.0/15 is for network tests
-
-
-def _ip(*args):
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
 
 
 @pytest.fixture
 def dropping_address():
     """An address every packet to which is dropped; namespace and link removed after."""
-    ns, root_side = f"kvops-drop-{os.getpid()}", f"kvd{os.getpid() % 100000}"
-    _ip("netns", "add", ns)
-    try:
-        _ip("link", "add", root_side, "type", "veth", "peer", "name", "eth-drop", "netns", ns)
-        _ip("addr", "add", "198.18.200.1/30", "dev", root_side)
-        _ip("link", "set", root_side, "up")
-        _ip("-n", ns, "addr", "add", f"{DROPPING}/30", "dev", "eth-drop")
-        _ip("-n", ns, "link", "set", "eth-drop", "up")
-        # a token bucket that never holds enough for one packet: every packet is dropped
-        # (netem is missing from some kernels, this CI machine's among them)
-        subprocess.run(["tc", "qdisc", "add", "dev", root_side, "root", "tbf", "rate", "8bit", "burst", "1",
-                        "limit", "1"], check=True, capture_output=True, timeout=10)
-        yield DROPPING
-    finally:
-        subprocess.run(["ip", "link", "del", root_side], capture_output=True, timeout=10)
-        _ip("netns", "del", ns)
+    with NetnsHost(index=1) as host:
+        host.drop_inbound()
+        yield host.address
 
 
 def _dropping_info(good_info: dict, address: str) -> dict:

@@ -83,7 +83,9 @@ class PeerLink:
                    "dst": {req_id: dst.tolist() for req_id, dst in dst_blocks.items()}})
         answer = self._receive_until(lambda m: m.get("op") == "begun")
         if answer is None:
-            raise PeerFailed(self.dead or "no answer to begin within the transfer timeout")
+            # a late answer would be taken for the next begin's: the channel is out of
+            # step, so the link is given up (and connected again later, afresh)
+            raise self.give_up(self.dead or "no answer to begin within the transfer timeout")
         grant = answer.get("grant_s")
         if type(grant) not in (int, float) or not 0 <= grant < float("inf"):
             raise PeerFailed(f"the consumer's answer to begin grants no valid write lease: {grant!r}")

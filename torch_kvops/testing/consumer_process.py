@@ -65,18 +65,23 @@ def _make_hostile(how) -> None:
 
 
 def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, transport_kwargs,
-                  device="cpu", fleet_key=None, control_tls=None, hostile=None):
-    import torch
-
-    from ..connector import ConnectorConfig, LayerwiseConnector
-    from ..transports import MooncakeTransport
-
+                  device="cpu", fleet_key=None, control_tls=None, hostile=None, netns=None):
     try:
+        host = "127.0.0.1"
+        if netns is not None:  # another host (netns_host.py): before any socket or thread
+            from .netns_host import enter
+            enter(netns[0])
+            host = netns[1]
+        import torch
+
+        from ..connector import ConnectorConfig, LayerwiseConnector
+        from ..transports import MooncakeTransport
+
         if hostile is not None:
             _make_hostile(hostile)
         caches = [torch.full((num_blocks, *block_shape), -7.0, device=device)
                   for _ in range(num_layers)]
-        transport = MooncakeTransport(host="127.0.0.1", **transport_kwargs)
+        transport = MooncakeTransport(host=host, **transport_kwargs)
         connector = LayerwiseConnector("consumer", transport, ConnectorConfig(**config_kwargs),
                                        fleet_key=fleet_key, control_tls=control_tls)
         connector.register_kv_caches(caches)
@@ -150,8 +155,11 @@ class ConsumerProcess(WorkerProcess):
     """Handle on a consumer process; ``info`` is its ``peer_info()``."""
 
     def __init__(self, num_layers, num_blocks, block_shape, timeout=60.0, transport_kwargs=None,
-                 device="cpu", fleet_key=None, control_tls=None, hostile=None, **config_kwargs):
+                 device="cpu", fleet_key=None, control_tls=None, hostile=None, host=None, **config_kwargs):
+        """``host``: a :class:`~torch_kvops.testing.netns_host.NetnsHost` to run in."""
+        netns = (host.name, host.address) if host is not None else None
         super().__init__(consumer_main, (num_layers, num_blocks, block_shape, config_kwargs,
-                                         transport_kwargs or {}, device, fleet_key, control_tls, hostile),
+                                         transport_kwargs or {}, device, fleet_key, control_tls, hostile,
+                                         netns),
                          "consumer", timeout)
         self.info = self.hello

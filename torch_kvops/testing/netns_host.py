@@ -1,0 +1,89 @@
+"""An emulated second host for fault tests (needs root, ``ip`` and ``tc``): a network
+namespace joined to this one by a veth pair, each side with an address from
+198.18.0.0/15 (reserved for network tests). A consumer process enters it
+(:func:`enter`, before it opens any socket) and is then reached only across the
+pair, which :meth:`NetnsHost.partition` cuts (every packet dropped both ways, the way
+a failed switch or a firewall does: no reset, connections hang) and
+:meth:`NetnsHost.heal` restores. Namespace and pair are removed on close.
+
+Packets are dropped by a ``tc tbf`` bucket too small for any packet: ``netem`` is
+missing from some kernels (this project's CI machine among them).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+from typing import List
+
+_CMD_TIMEOUT_S = 10.0
+_CLONE_NEWNET = 0x40000000
+_DROP_ALL = ["tbf", "rate", "8bit", "burst", "1", "limit", "1"]
+
+
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), check=check, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
+
+
+class NetnsHost:
+    """Namespace ``kvops-host-<pid>-<index>`` at ``address`` (198.18.<200+index>.2),
+    reached from this namespace's ``198.18.<200+index>.1``."""
+
+    def __init__(self, index: int = 0) -> None:
+        if not 0 <= index < 50:
+            raise ValueError("index must be in [0, 50)")
+        self.name = f"kvops-host-{os.getpid()}-{index}"
+        self._outside = f"kvh{os.getpid() % 10000}x{index}"
+        net = f"198.18.{200 + index}"
+        self.address, self.gateway = f"{net}.2", f"{net}.1"
+        _run("ip", "netns", "add", self.name)
+        try:
+            _run("ip", "link", "add", self._outside, "type", "veth", "peer", "name", "eth0", "netns", self.name)
+            _run("ip", "addr", "add", f"{self.gateway}/30", "dev", self._outside)
+            _run("ip", "link", "set", self._outside, "up")
+            _run("ip", "-n", self.name, "addr", "add", f"{self.address}/30", "dev", "eth0")
+            _run("ip", "-n", self.name, "link", "set", "eth0", "up")
+            _run("ip", "-n", self.name, "link", "set", "lo", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def partition(self) -> None:
+        """Drop every packet across the pair, both ways."""
+        _run("tc", "qdisc", "replace", "dev", self._outside, "root", *_DROP_ALL)
+        _run("tc", "-n", self.name, "qdisc", "replace", "dev", "eth0", "root", *_DROP_ALL)
+
+    def drop_inbound(self) -> None:
+        """Drop every packet sent to the namespace (a host that drops what it gets)."""
+        _run("tc", "qdisc", "replace", "dev", self._outside, "root", *_DROP_ALL)
+
+    def heal(self) -> None:
+        _run("tc", "qdisc", "del", "dev", self._outside, "root", check=False)
+        _run("tc", "-n", self.name, "qdisc", "del", "dev", "eth0", "root", check=False)
+
+    def close(self) -> List[str]:
+        """Remove the pair and the namespace; returns what could not be removed."""
+        problems = []
+        _run("ip", "link", "del", self._outside, check=False)
+        if _run("ip", "netns", "del", self.name, check=False).returncode != 0:
+            problems.append(f"namespace {self.name} not removed")
+        return problems
+
+    def __enter__(self) -> "NetnsHost":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def enter(name: str) -> None:
+    """Move the calling thread (and the threads it starts later) into namespace
+    ``name``: call it first thing in a child process, before any socket is opened."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns into {name}: {os.strerror(errno)}")
+    finally:
+        os.close(fd)
