@@ -368,3 +368,21 @@ def test_a_producer_that_stops_reading_delays_only_its_own_answers():
         reader.close()
         stalled.close()
         srv.close()
+
+
+def test_control_sockets_keep_alive_on_both_sides(server):
+    """A peer that vanished without a reset is found by TCP keepalive (25 s), not left
+    to linger: the option is set on the producer's socket and on the consumer's."""
+    from torch_kvops.control.protocol import KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES
+
+    c = client(server, "kept-alive")
+    try:
+        sockets = [c._sock] + list(server._sessions)
+        assert len(sockets) == 2
+        for sock in sockets:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE_S
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == KEEPALIVE_INTERVAL_S
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == KEEPALIVE_PROBES
+    finally:
+        c.close()

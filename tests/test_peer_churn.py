@@ -6,50 +6,15 @@ peer remains either way: the data socket Mooncake's engine opened to it, which i
 Python API (checked: ``TransferEngine``'s methods) cannot close short of destroying
 the engine. Real consumer processes over the real Mooncake engine."""
 import pytest
-import torch
 
-from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
-from torch_kvops.testing.consumer_process import ConsumerProcess, process_resources
+from torch_kvops.bench.peer_churn import churn
 
-LAYERS, BLOCKS, BLOCK_SHAPE = 2, 32, (2, 8, 16)  # 1 KiB blocks: fragmented layers are staged
-CONFIG = dict(transfer_timeout_s=3.0, max_retries=0, control_timeout_s=2.0,
-              staging_slot_bytes=64 << 10, staging_slots=4)
-RESTARTS = 8
-SRC, DST = [0, 2, 4, 6], [1, 3, 5, 7]
-
-
-def _churn(release: bool):
-    transport = MooncakeTransport(host="127.0.0.1")
-    caches = [torch.randn(BLOCKS, *BLOCK_SHAPE) for _ in range(LAYERS)]
-    conn = LayerwiseConnector("producer", transport, ConnectorConfig(**CONFIG))
-    samples = []
-    try:
-        conn.register_kv_caches(caches)
-        for i in range(RESTARTS):
-            consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **CONFIG)
-            try:
-                peer = conn.add_peer(consumer.info)
-                consumer.call("expect", [f"r{i}"])
-                conn.start_step([TransferRequest(f"r{i}", peer, SRC, DST)])
-                for layer, cache in enumerate(caches):
-                    conn.save_kv_layer(layer, cache)
-                conn.wait_for_save(timeout=30)
-                assert consumer.call("wait", [f"r{i}"], 10.0)[0] == {f"r{i}"}
-            finally:
-                consumer.stop()  # the decode process goes away (a restart brings a new one)
-            conn.get_finished()
-            if release:
-                assert conn.release_peers(idle_s=0.0) == [peer]
-            samples.append(dict(process_resources(), regions=len(transport._registry.index.ptrs())))
-    finally:
-        conn.close()
-        transport.close()
-    return samples
+RESTARTS = 8  # python -m torch_kvops.bench.peer_churn runs 50
 
 
 @pytest.mark.parametrize("release", [True, False], ids=["released", "kept"])
 def test_producer_resources_stay_flat_while_consumers_restart(release):
-    samples = _churn(release)
+    samples = churn(RESTARTS, release)
     first, last = samples[0], samples[-1]
     print(f"release={release}: after restart 1 {first}, after restart {RESTARTS} {last}")
     # at most Mooncake's data socket per new peer (see the module docstring)
@@ -59,3 +24,43 @@ def test_producer_resources_stay_flat_while_consumers_restart(release):
         assert last["regions"] == first["regions"], (first, last)
     else:  # negative control: every peer's staging registration stays
         assert last["regions"] - first["regions"] == RESTARTS - 1, (first, last)
+
+
+def test_links_beyond_the_bound_are_released_least_recently_used_first():
+    """Three consumers pushed to in the order a, b, c: with two links kept, a goes;
+    links still used stay, and the released one connects again on demand."""
+    import torch
+
+    from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
+    from torch_kvops.bench.peer_churn import BLOCK_SHAPE, BLOCKS, CONFIG, DST, LAYERS, SRC
+    from torch_kvops.testing.consumer_process import ConsumerProcess
+
+    consumers = [ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **CONFIG) for _ in range(3)]
+    transport = MooncakeTransport(host="127.0.0.1")
+    caches = [torch.randn(BLOCKS, *BLOCK_SHAPE) for _ in range(LAYERS)]
+    conn = LayerwiseConnector("producer", transport, ConnectorConfig(**CONFIG))
+    try:
+        conn.register_kv_caches(caches)
+        peers = [conn.add_peer(c.info) for c in consumers]
+
+        def push(k, req_id):
+            consumers[k].call("expect", [req_id])
+            conn.start_step([TransferRequest(req_id, peers[k], SRC, DST)])
+            for layer, cache in enumerate(caches):
+                conn.save_kv_layer(layer, cache)
+            conn.wait_for_save(timeout=30)
+            assert consumers[k].call("wait", [req_id], 10.0)[0] == {req_id}
+
+        for k in range(3):
+            push(k, f"r{k}")
+        conn.get_finished()
+        assert conn.release_peers(idle_s=1e9) == []  # none idle, no bound
+        assert conn.release_peers(idle_s=1e9, keep=2) == [peers[0]]
+        assert conn.release_peers(idle_s=1e9, keep=2) == []
+        assert conn.add_peer(consumers[0].info) == peers[0]  # connected again on demand
+        push(0, "again")
+    finally:
+        conn.close()
+        transport.close()
+        for c in consumers:
+            c.stop()

@@ -142,12 +142,14 @@ class LayerwiseConnector:
         self._require("producer", registered=True)
         return self._side.add_peer(info)
 
-    def release_peers(self, idle_s: float) -> List[str]:
+    def release_peers(self, idle_s: float, keep: Optional[int] = None) -> List[str]:
         """Producer, between steps: close the peers failed or unused for ``idle_s`` with
         nothing in flight (control channel, staging), so resources stay flat while
-        consumers come and go. Returns their ids; :meth:`add_peer` reconnects."""
+        consumers come and go; with ``keep``, also the least recently used ones beyond
+        ``keep`` live peers (those with nothing in flight). Returns their ids;
+        :meth:`add_peer` reconnects."""
         self._require("producer", registered=True)
-        return self._side.release_peers(idle_s)
+        return self._side.release_peers(idle_s, keep)
 
     def peer_failed(self, peer_id: str) -> Optional[str]:
         """Producer: why the peer was given up on (until :meth:`add_peer`), or None."""

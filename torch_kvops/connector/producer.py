@@ -138,15 +138,20 @@ class ProducerSide(StepSender):
             self._peers[peer.peer_id] = peer
         return peer.peer_id
 
-    def release_peers(self, idle_s: float) -> List[str]:
+    def release_peers(self, idle_s: float, keep: Optional[int] = None) -> List[str]:
         """Close and forget the peers given up on, or not used for ``idle_s``, that
         have no request in flight: their control channel, staging registration and
-        buffer. Engine thread, between steps. Returns their ids."""
+        buffer; with ``keep``, also the least recently used beyond ``keep`` live peers.
+        Engine thread, between steps. Returns their ids."""
         now = time.monotonic()
         with self._ledger.lock:
             busy = set(self._ledger.in_flight.values())
-            idle = [peer for pid, peer in self._peers.items()
-                    if pid not in busy and (peer.dead or now - peer.last_used >= idle_s)]
+            free = sorted((peer for pid, peer in self._peers.items() if pid not in busy),
+                          key=lambda peer: peer.last_used)
+            idle = [peer for peer in free if peer.dead or now - peer.last_used >= idle_s]
+            if keep is not None:
+                live = len(self._peers) - len(idle)
+                idle += [peer for peer in free if peer not in idle][:max(0, live - keep)]
             for peer in idle:
                 del self._peers[peer.peer_id]
         for peer in idle:

@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Optional
 
-from .protocol import _NONCE_BYTES, DEFAULT_MAX_LINE, _check_secret, _no_delay, proof
+from .protocol import _NONCE_BYTES, DEFAULT_MAX_LINE, _check_secret, _tune, proof
 
 
 class ControlClient:
@@ -39,7 +39,7 @@ class ControlClient:
             for attempt in range(self._retries + 1):
                 try:
                     sock = socket.create_connection(self._target, timeout=self._timeout_s)
-                    _no_delay(sock)
+                    _tune(sock)
                     if self._tls is not None:
                         try:
                             sock = self._tls.wrap_socket(sock, server_hostname=self._target[0])

@@ -14,7 +14,7 @@ import time
 from typing import Callable, Dict, Optional
 
 from .protocol import (_NONCE_BYTES, DEFAULT_MAX_LINE, MAX_HANDSHAKE_LINE, MAX_PENDING_HANDSHAKES,
-                       ProtocolError, _check_secret, _no_delay, proof)
+                       ProtocolError, _check_secret, _tune, proof)
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class ControlServer:
             conn.close()
             return
         conn.setblocking(False)
-        _no_delay(conn)
+        _tune(conn)
         if self._tls is not None:
             try:
                 conn = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)

@@ -11,7 +11,8 @@ A circuit breaker (connector/breaker.py) paces the attempts: a link that failed
 (unreachable, a write that failed after its retries, a broken control channel) is
 connected again when a request needs it, after a bounded, jittered backoff that
 doubles with each failure in a row, and once none of its requests is in flight any
-more. Links that failed or idled for ``peer_idle_s`` are released between steps.
+more. Links that failed or idled for ``peer_idle_s`` are released between steps, and
+the least recently used beyond ``max_decode_links`` (with nothing in flight).
 """
 from __future__ import annotations
 
@@ -92,12 +93,13 @@ class DecodeLinks:
         return peer
 
     def release_idle(self) -> None:
-        """At most once a second: close the links that failed or idled (peer_idle_s)."""
+        """At most once a second: close the links that failed or idled (peer_idle_s),
+        and the least recently used beyond max_decode_links."""
         now = time.monotonic()
         if now < self._next_release:
             return
         self._next_release = now + 1.0
-        released = set(self._conn.release_peers(self._settings.peer_idle_s))
+        released = set(self._conn.release_peers(self._settings.peer_idle_s, keep=self._settings.max_decode_links))
         if released:
             self._peers = {e: p for e, p in self._peers.items() if p not in released}
             self._metrics.count("peers_released", len(released))

@@ -56,6 +56,8 @@ class KvopsSettings:
         connect thread, links.py) before it goes on without it, that request's part
         failing (its decode side recomputes) while the connection goes on: a decode
         instance that drops packets costs P's steps this long per attempt.
+    max_decode_links: P keeps at most this many links to decode ranks (per worker); beyond
+        it the least recently used with nothing in flight is released between steps.
     peer_idle_s: P closes the link to a decode instance (control channel, staging
         registration and buffer) once it failed, or carried no request for this long,
         and has none in flight; it is connected again when a request needs it. A
@@ -81,6 +83,7 @@ class KvopsSettings:
     max_held_requests: int = 64
     max_held_pool_share: float = 0.5
     connect_wait_s: float = 2.0
+    max_decode_links: int = 256
     wait_for_decode_s: Optional[float] = None  # None: 0 with late binding, else 10
     post_timeout_s: float = 2.0
     post_retries: int = 2
@@ -118,6 +121,8 @@ class KvopsSettings:
             raise ValueError(f"wait_for_decode_s must be >= 0, got {settings.wait_for_decode_s!r}")
         if not settings.hold_for_decode_s > 0:
             raise ValueError(f"hold_for_decode_s must be > 0, got {settings.hold_for_decode_s!r}")
+        if not isinstance(settings.max_decode_links, int) or settings.max_decode_links < 1:
+            raise ValueError(f"max_decode_links must be an integer >= 1, got {settings.max_decode_links!r}")
         if not settings.connect_wait_s >= 0:
             raise ValueError(f"connect_wait_s must be >= 0, got {settings.connect_wait_s!r}")
         if not 0 < settings.max_held_pool_share <= 1:
