@@ -188,21 +188,13 @@ def test_holds_are_released_on_their_time_bound_once(producer):
     assert sched.connector_stats().data["failed_hold_expired"] == 1
 
 
-def test_holds_are_released_oldest_first_over_their_count_bound(producer):
-    sched = producer(max_held_requests=1)
-    for rid in ("r", "s"):
-        req = _Request(rid, {"do_remote_decode": True, "transfer_id": "t" + rid}, prompt=100)
-        sched.get_num_new_matched_tokens(req, 0)
-        req.num_computed_tokens = 100
-        assert sched.request_finished(req)[0] is True
-    assert _step(sched).release == ["r"] and sched.held == 1
-    assert sched.connector_stats().data["failed_hold_overflow"] == 1
-
-
-def test_holds_are_released_oldest_first_over_their_share_of_the_pool(producer):
-    """Two 4-block holds in a 12-block pool with a share of one half: the second one
-    takes the holds to 8 blocks, over 6, so the oldest goes at once."""
-    sched = producer(max_held_pool_share=0.5)
+@pytest.mark.parametrize("bound,cause", [({"max_held_requests": 1}, "hold_overflow"),
+                                         ({"max_held_pool_share": 0.5}, "hold_pool_share")])
+def test_holds_are_released_oldest_first_over_their_count_or_pool_share_bound(producer, bound, cause):
+    """Two 4-block holds: over a count bound of one, or in a 12-block pool with a share
+    of one half (8 blocks held, over 6), the oldest goes at once; the one left is bound
+    and pushed when its destination comes."""
+    sched = producer(**bound)
     sched.kv_cache_manager.block_pool.num_gpu_blocks = 12
     for rid in ("r", "s"):
         req = _Request(rid, {"do_remote_decode": True, "transfer_id": "t" + rid}, prompt=100)
@@ -210,8 +202,8 @@ def test_holds_are_released_oldest_first_over_their_share_of_the_pool(producer):
         req.num_computed_tokens = 100
         assert sched.request_finished(req)[0] is True
     assert _step(sched).release == ["r"] and sched.held == 1
-    assert sched.connector_stats().data["failed_hold_pool_share"] == 1
-    _post(sched.server, "ts", [20, 21, 22, 23])  # the hold left is bound and pushed
+    assert sched.connector_stats().data["failed_" + cause] == 1
+    _post(sched.server, "ts", [20, 21, 22, 23])
     assert _pushes(_step(sched)) == [([14, 15, 16, 17], [20, 21, 22, 23], True, True)]
 
 
