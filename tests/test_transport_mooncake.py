@@ -210,6 +210,18 @@ def test_init_rejects_foreign_host_and_unknown_protocol():
         assert _thread_count() <= baseline
 
 
+def test_init_refuses_the_unacknowledged_tcp_framing(monkeypatch):
+    """Under MC_TCP_PROTO=1 a finished write does not mean its bytes landed, on which
+    the connector's notices and the fence rely: refused before an engine starts."""
+    transports = _import_transports()
+    monkeypatch.setenv("MC_TCP_PROTO", "1")
+    with pytest.raises(transports.TransportError, match="MC_TCP_PROTO=1") as ei:
+        transports.MooncakeTransport(host="127.0.0.1")
+    assert ei.value.transient is False
+    monkeypatch.setenv("MC_TCP_PROTO", "2")  # the acknowledged framing, explicitly
+    transports.MooncakeTransport(host="127.0.0.1").close()
+
+
 def test_register_is_idempotent_and_address_format(transport):
     buf = np.zeros(1 << 20, dtype=np.uint8)
     ptr = buf.ctypes.data

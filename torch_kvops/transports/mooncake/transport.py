@@ -10,6 +10,7 @@ write leaves behind (:class:`.pins.SourcePins`), and ``close()``.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from typing import List, Optional, Sequence
@@ -75,6 +76,12 @@ class MooncakeTransport(Transport):
         if protocol not in ("tcp", "rdma"):
             raise TransportError(f"unsupported protocol {protocol!r}: MooncakeTransport supports "
                                  "'tcp' and 'rdma'", transient=False)
+        if os.environ.get("MC_TCP_PROTO") == "1":
+            # the legacy framing reports a write complete once its bytes left this
+            # host's socket, not once they landed: "written" would not mean "landed"
+            raise TransportError("MC_TCP_PROTO=1 selects Mooncake's unacknowledged TCP framing, "
+                                 "under which a finished write does not mean its bytes landed: "
+                                 "unset it", transient=False)
         if not (1 <= int(max_batch_descriptors) <= 1024):
             raise ValueError("max_batch_descriptors must be in [1, 1024] (Mooncake's TCP transport "
                              "queues at most 1024 transfers per peer by default)")
