@@ -107,6 +107,29 @@ def test_settings_reject_unknown_keys_and_modes():
         KvopsSettings.from_extra({"connector": {"no_such_field": 1}})
 
 
+def test_the_transport_protocol_and_devices_reach_the_engine():
+    """MooncakeConnector's ``mooncake_protocol`` is taken as ``protocol``; what the
+    settings say reaches Mooncake: RDMA on this host, which has no RDMA device, stops
+    the worker at start-up with the reason (Mooncake alone would fall back to TCP)."""
+    import os
+
+    from torch_kvops.integrations.vllm.worker_producer import ProducerWorker
+    from torch_kvops.transports import TransportError
+
+    settings = KvopsSettings.from_extra({"mooncake_protocol": "rdma", "device_name": "mlx5_0"})
+    assert (settings.protocol, settings.device_name) == ("rdma", "mlx5_0")
+    assert KvopsSettings.from_extra({}).protocol == "tcp"
+    with pytest.raises(ValueError, match="disagree"):
+        KvopsSettings.from_extra({"mooncake_protocol": "rdma", "protocol": "tcp"})
+    with pytest.raises(ValueError, match="protocol must be"):
+        KvopsSettings.from_extra({"protocol": "carrier-pigeon"})
+    assert not (os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband")), \
+        "this test expects a host without RDMA devices"
+    with pytest.raises(TransportError, match="no RDMA device"):
+        ProducerWorker(settings, num_blocks=4)
+    ProducerWorker(KvopsSettings.from_extra({"protocol": "tcp"}), num_blocks=4).close()
+
+
 class _Request:
     """The fields of vllm.v1.request.Request the scheduler side reads."""
 

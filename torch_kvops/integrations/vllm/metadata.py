@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     from .side_channel import FleetAuth, TlsFiles
 
 PUSH_MODES = ("layerwise", "after_forward")
+# kv_connector_extra_config keys of vLLM's MooncakeConnector -> ours
+MOONCAKE_CONNECTOR_ALIASES = {"mooncake_protocol": "protocol"}
 
 
 @dataclass
@@ -23,6 +25,11 @@ class KvopsSettings:
         pushes every layer after the forward (the baseline behaviour of vLLM's P/D
         connectors, kept for comparison). A request may override it with
         ``kv_transfer_params["kvops_push_mode"]``.
+    protocol / device_name: Mooncake's transport, ``tcp`` (the default) or ``rdma``, and
+        for RDMA the devices to use (comma-separated, empty: all). MooncakeConnector's
+        ``mooncake_protocol`` is accepted for ``protocol``. An engine asked for RDMA
+        on a host without an RDMA device refuses to start (Mooncake would silently
+        fall back to TCP).
     host: address the Mooncake transport and control channel bind to.
     side_channel_host / side_channel_port: prefill side: where decode instances post the
         block ids they allocated (port 0 picks a free one; the proxy must know it).
@@ -76,6 +83,8 @@ class KvopsSettings:
 
     push_mode: str = "layerwise"
     host: str = "127.0.0.1"
+    protocol: str = "tcp"
+    device_name: str = ""
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0
     late_binding: bool = True
@@ -107,12 +116,24 @@ class KvopsSettings:
     @staticmethod
     def from_extra(extra: Optional[Dict[str, Any]]) -> "KvopsSettings":
         extra = dict(extra or {})
+        for alias, key in MOONCAKE_CONNECTOR_ALIASES.items():  # a MooncakeConnector config as is
+            if alias in extra:
+                value = extra.pop(alias)
+                if key in extra and extra[key] != value:
+                    raise ValueError(f"kv_connector_extra_config: {alias}={value!r} and {key}={extra[key]!r} "
+                                     "disagree (the first is MooncakeConnector's name for the second)")
+                extra[key] = value
         known = set(KvopsSettings.__dataclass_fields__)
         unknown = set(extra) - known
         if unknown:
             raise ValueError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
                              f"known: {sorted(known)}")
         settings = KvopsSettings(**extra)
+        if settings.protocol not in ("tcp", "rdma"):
+            raise ValueError(f"protocol must be 'tcp' or 'rdma', got {settings.protocol!r}")
+        if not isinstance(settings.device_name, str):
+            raise ValueError(f"device_name must be a string (comma-separated RDMA devices), got "
+                             f"{settings.device_name!r}")
         if settings.push_mode not in PUSH_MODES:
             raise ValueError(f"push_mode must be one of {PUSH_MODES}, got {settings.push_mode!r}")
         if not isinstance(settings.late_binding, bool):
