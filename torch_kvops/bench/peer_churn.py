@@ -29,7 +29,9 @@ def churn(restarts: int, release: bool) -> List[Dict[str, int]]:
     producer's resources after each."""
     import torch
 
-    from .. import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
+    from ..connector import ConnectorConfig, LayerwiseConnector
+    from ..plan import TransferRequest
+    from ..transports import MooncakeTransport
     from ..testing.consumer_process import ConsumerProcess, process_resources
 
     transport = MooncakeTransport(host="127.0.0.1")
