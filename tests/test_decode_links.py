@@ -51,7 +51,8 @@ def producer():
 
 def test_a_dropping_decode_instance_costs_a_step_the_connect_wait_alone(producer, dropping_address):
     good = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **CONFIG)
-    links = DecodeLinks(producer, KvopsSettings(connect_wait_s=CONNECT_WAIT_S), StatsCollector("producer"))
+    metrics = StatsCollector("producer")
+    links = DecodeLinks(producer, KvopsSettings(connect_wait_s=CONNECT_WAIT_S), metrics)
     try:
         bad_info = _dropping_info(good.info, dropping_address)
         started = time.monotonic()
@@ -75,6 +76,10 @@ def test_a_dropping_decode_instance_costs_a_step_the_connect_wait_alone(producer
         assert links.peer(bad_info) is None and links.peer(bad_info) is None
         assert time.monotonic() - started < 0.1
         assert links._breaker.states()["dropping-decode"]["failures"] == 1
+        # the gauges: one link live (the healthy one), one decode rank backing off
+        gauges = metrics.take(producer.stats).data
+        assert (gauges["links_change"], gauges["links_backing_off_change"]) == (1, 1), gauges
+        assert metrics._pending.data.get("peer_connect_pending", 0) == 0  # taken above
     finally:
         started = time.monotonic()
         links.close()

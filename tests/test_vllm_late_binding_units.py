@@ -630,3 +630,9 @@ def test_the_peer_breaker_backs_off_doubling_with_jitter_up_to_its_cap():
     assert breaker.may_try("d") and breaker.states()["d"]["failures"] == 6
     breaker.closed("d")
     assert breaker.states() == {} and breaker.may_try("d")
+    # a peer nobody asks for any more (gone for good) is forgotten after idle_s
+    breaker.failed("gone", "unreachable")
+    now[0] += 11.0  # its next attempt was due 10.5 s ago at least, and not made
+    breaker.failed("fresh", "unreachable")
+    breaker.forget_stale(idle_s=10.0)
+    assert set(breaker.states()) == {"fresh"}

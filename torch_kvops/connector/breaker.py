@@ -44,6 +44,14 @@ class PeerBreaker:
     def closed(self, key: str) -> None:
         self._open.pop(key, None)
 
+    def forget_stale(self, idle_s: float) -> None:
+        """Drop the open breakers whose next attempt was due more than ``idle_s`` ago and
+        not made (no request needed the peer since: a peer gone for good, a D that was
+        restarted under a new id), so they do not pile up."""
+        now = self._clock()
+        for key in [k for k, s in self._open.items() if now - s.retry_at > idle_s]:
+            del self._open[key]
+
     def states(self) -> Dict[str, dict]:
         """Open breakers: failures in a row, seconds until the next attempt, why."""
         now = self._clock()

@@ -45,11 +45,27 @@ class DecodeLinks:
         self._connecting: Dict[str, Tuple[Future, float]] = {}  # engine id -> (attempt, wait until)
         self._pool: Optional[ThreadPoolExecutor] = None  # made on the first connection
         self._next_release = 0.0
+        self._published = (0, 0)  # (live links, links backing off) last counted in metrics
 
     def peer(self, info: dict) -> Optional[str]:
         """The peer id of a decode rank (its ``peer_info``); None while it cannot be
         used (connecting past its wait, backing off, or its old link still busy).
         ``ValueError`` for a peer_info the connector refuses."""
+        try:
+            return self._peer(info)
+        finally:
+            self._publish()
+
+    def _publish(self) -> None:
+        """Links live and backing off, as changes (the gauges
+        ``vllm:kvops_decode_links`` and ``vllm:kvops_decode_links_backing_off``)."""
+        now = (len(self._peers), len(self._breaker.states()))
+        if now != self._published:
+            self._metrics.count("links_change", now[0] - self._published[0])
+            self._metrics.count("links_backing_off_change", now[1] - self._published[1])
+            self._published = now
+
+    def _peer(self, info: dict) -> Optional[str]:
         engine_id = info["engine_id"]
         peer = self._peers.get(engine_id)
         if peer is not None:
@@ -103,6 +119,8 @@ class DecodeLinks:
         if released:
             self._peers = {e: p for e, p in self._peers.items() if p not in released}
             self._metrics.count("peers_released", len(released))
+        self._breaker.forget_stale(self._settings.peer_idle_s)
+        self._publish()
 
     def close(self) -> None:
         """Wait for the connections under way (each bounded by its timeouts) and stop

@@ -280,6 +280,16 @@ class KvopsPromMetrics(KVConnectorPromMetrics):
                 "Finished requests whose blocks the prefill engine holds for a late "
                 "destination."), labelnames=labelnames, multiprocess_mode="livesum"),
             per_engine_labelvalues)
+        self._links = create_metric_per_engine(
+            self._gauge_cls(name="vllm:kvops_decode_links", documentation=(
+                "Links of the prefill workers to decode ranks, connected (prefill)."),
+                labelnames=labelnames, multiprocess_mode="livesum"),
+            per_engine_labelvalues)
+        self._links_backing_off = create_metric_per_engine(
+            self._gauge_cls(name="vllm:kvops_decode_links_backing_off", documentation=(
+                "Decode ranks whose link failed and waits out its backoff before the next "
+                "connection attempt (prefill)."), labelnames=labelnames, multiprocess_mode="livesum"),
+            per_engine_labelvalues)
         self._failures = self._counter_cls(
             name="vllm:kvops_failures", documentation="Failed KV transfers by cause.",
             labelnames=[*labelnames, "cause"])
@@ -295,8 +305,10 @@ class KvopsPromMetrics(KVConnectorPromMetrics):
             value = transfer_stats_data.get(key)
             if value:
                 metric[engine_idx].inc(value)
-        if transfer_stats_data.get("held_change"):
-            self._held[engine_idx].inc(transfer_stats_data["held_change"])
+        for key, gauge in (("held_change", self._held), ("links_change", self._links),
+                           ("links_backing_off_change", self._links_backing_off)):
+            if transfer_stats_data.get(key):
+                gauge[engine_idx].inc(transfer_stats_data[key])
         for key, metric in self._histograms.items():
             for sample in transfer_stats_data.get(key, ()):
                 metric[engine_idx].observe(sample)
