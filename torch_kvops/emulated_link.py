@@ -104,7 +104,9 @@ def _number_with_unit(text: str, units: Dict[str, float], what: str) -> float:
     raise ValueError(f"{what} {text!r}: expected a number with one of the units {sorted(units)}")
 
 
-def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+def run_tool(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    """Run an ``ip`` or ``tc`` command, bounded in time; :class:`LinkError` with its
+    output if it fails (unless ``check`` is false)."""
     proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
     if check and proc.returncode != 0:
         raise LinkError(f"`{' '.join(cmd)}` failed ({proc.returncode}): "
@@ -127,16 +129,16 @@ def _apply_shape(spec: LinkSpec, netns: Optional[str]) -> None:
     """Shape loopback of namespace ``netns`` (None: the one this process is in)."""
     tc = ["tc", "-n", netns] if netns else ["tc"]
     if not spec.delay_s:
-        _run([*tc, "qdisc", "replace", "dev", "lo", "root", "handle", "10:", "tbf", *spec.tbf_args()])
+        run_tool([*tc, "qdisc", "replace", "dev", "lo", "root", "handle", "10:", "tbf", *spec.tbf_args()])
         return
-    _run([*tc, "qdisc", "del", "dev", "lo", "root"], check=False)
+    run_tool([*tc, "qdisc", "del", "dev", "lo", "root"], check=False)
     try:
-        _run([*tc, "qdisc", "add", "dev", "lo", "root", "handle", "1:", "netem", "delay",
+        run_tool([*tc, "qdisc", "add", "dev", "lo", "root", "handle", "1:", "netem", "delay",
               f"{spec.delay_s * 1e6:.0f}us", "limit", "100000"])
     except LinkError as exc:
         raise LinkError(f"a link delay needs the netem qdisc, which this kernel lacks ({exc}); "
                         "give the rate alone") from None
-    _run([*tc, "qdisc", "add", "dev", "lo", "parent", "1:1", "handle", "10:", "tbf", *spec.tbf_args()])
+    run_tool([*tc, "qdisc", "add", "dev", "lo", "parent", "1:1", "handle", "10:", "tbf", *spec.tbf_args()])
 
 
 def _has_capability(bit: int) -> bool:
@@ -152,7 +154,7 @@ def _has_capability(bit: int) -> bool:
 
 
 def _namespaces() -> List[str]:
-    out = _run(["ip", "netns", "list"]).stdout
+    out = run_tool(["ip", "netns", "list"]).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
@@ -170,7 +172,7 @@ def _kill_inside(name: str, timeout: float = 10.0) -> List[int]:
     """End every process inside namespace ``name`` (SIGTERM, then SIGKILL); returns
     the pids found. The name is unique to one run, so these are that run's processes."""
     def pids() -> List[int]:
-        proc = _run(["ip", "netns", "pids", name], check=False)
+        proc = run_tool(["ip", "netns", "pids", name], check=False)
         return [int(p) for p in proc.stdout.split() if p.isdigit()]
 
     found = pids()
@@ -193,7 +195,7 @@ def remove_namespace(name: str) -> None:
     """End the processes inside ``name`` and delete it; raises if it is still there."""
     _kill_inside(name)
     if name in _namespaces():
-        _run(["ip", "netns", "del", name])
+        run_tool(["ip", "netns", "del", name])
     if name in _namespaces():
         raise LinkError(f"network namespace {name} is still present after `ip netns del`")
 
@@ -242,9 +244,9 @@ class EmulatedLink:
         remove_stale_namespaces()
         self._install_signal_handlers()
         try:
-            _run(["ip", "netns", "add", self.name])
+            run_tool(["ip", "netns", "add", self.name])
             self._created = True
-            _run(["ip", "-n", self.name, "link", "set", "lo", "up"])
+            run_tool(["ip", "-n", self.name, "link", "set", "lo", "up"])
             self.shape(self.spec)
         except BaseException:
             self.close()
@@ -349,10 +351,10 @@ def current_link() -> Optional[LinkSpec]:
     if not name:
         return None
     spec = LinkSpec.parse(os.environ[ENV_SPEC])
-    here = _run(["ip", "netns", "identify", str(os.getpid())], check=False).stdout.split()
+    here = run_tool(["ip", "netns", "identify", str(os.getpid())], check=False).stdout.split()
     if name not in here:
         raise LinkError(f"{ENV_NAME}={name} but this process is in network namespace {here or 'default'}")
-    qdiscs = _run(["tc", "qdisc", "show", "dev", "lo"]).stdout
+    qdiscs = run_tool(["tc", "qdisc", "show", "dev", "lo"]).stdout
     if "tbf" not in qdiscs:
         raise LinkError(f"namespace {name}: loopback is not shaped (tc shows: {qdiscs.strip()})")
     return spec

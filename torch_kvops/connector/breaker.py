@@ -52,6 +52,10 @@ class PeerBreaker:
         for key in [k for k, s in self._open.items() if now - s.retry_at > idle_s]:
             del self._open[key]
 
+    def __len__(self) -> int:
+        """Open breakers (peers backing off)."""
+        return len(self._open)
+
     def states(self) -> Dict[str, dict]:
         """Open breakers: failures in a row, seconds until the next attempt, why."""
         now = self._clock()

@@ -147,11 +147,12 @@ class ProducerSide(StepSender):
         with self._ledger.lock:
             busy = set(self._ledger.in_flight.values())
             free = sorted((peer for pid, peer in self._peers.items() if pid not in busy),
-                          key=lambda peer: peer.last_used)
-            idle = [peer for peer in free if peer.dead or now - peer.last_used >= idle_s]
+                          key=lambda peer: peer.last_used)  # least recently used first
+            stale = {peer.peer_id for peer in free if peer.dead or now - peer.last_used >= idle_s}
+            idle = [peer for peer in free if peer.peer_id in stale]
+            spare = [peer for peer in free if peer.peer_id not in stale]
             if keep is not None:
-                live = len(self._peers) - len(idle)
-                idle += [peer for peer in free if peer not in idle][:max(0, live - keep)]
+                idle += spare[:max(0, len(self._peers) - len(idle) - keep)]
             for peer in idle:
                 del self._peers[peer.peer_id]
         for peer in idle:

@@ -34,7 +34,7 @@ class Session:
         self.deadline = time.monotonic() + server.handshake_timeout_s
         self.tls_handshaking = False  # TLS handshake not done yet (a TLS server only)
         self.outbox = bytearray()  # answers not yet taken by the producer's socket
-        self.unread_since: Optional[float] = None  # when the outbox last stopped draining
+        self.stalled_since: Optional[float] = None  # the socket is full: since its last progress
 
     @property
     def authenticated(self) -> bool:
@@ -252,37 +252,37 @@ class ControlServer:
         self._flush(conn)
 
     def _flush(self, conn: socket.socket) -> None:
-        """Hand the session's outbox to its socket, as much as it takes now; wait for
-        the socket to be writable for the rest."""
+        """Hand the session's outbox to its socket, as much as it takes now; while
+        bytes are left, the selector also waits for the socket to be writable."""
         session = self._sessions.get(conn)
         if session is None:
             return
-        was_blocked = session.unread_since is not None
+        sent = 0
         try:
-            while session.outbox:
-                sent = conn.send(session.outbox)
-                del session.outbox[:sent]
-                session.unread_since = None if not session.outbox else time.monotonic()
+            while sent < len(session.outbox):
+                sent += conn.send(memoryview(session.outbox)[sent:])
         except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
-            if session.unread_since is None:
-                session.unread_since = time.monotonic()
+            pass  # full: the rest when the socket is writable again
         except OSError as exc:
             # A producer that closed after its last notice: its acks have no reader.
             level = logging.INFO if isinstance(exc, (ConnectionResetError, BrokenPipeError)) else logging.WARNING
             log.log(level, "dropping control connection: reply failed: %s", exc)
             self._drop(conn)
             return
-        blocked = bool(session.outbox)
-        if blocked != was_blocked:
-            self._selector.modify(conn, selectors.EVENT_READ | (selectors.EVENT_WRITE if blocked else 0))
-        if not blocked:
-            session.unread_since = None
+        del session.outbox[:sent]  # once per flush: no quadratic copying of a long outbox
+        was_stalled = session.stalled_since is not None
+        if not session.outbox:
+            session.stalled_since = None
+        elif sent or not was_stalled:
+            session.stalled_since = time.monotonic()
+        if was_stalled != (session.stalled_since is not None):
+            self._selector.modify(conn, selectors.EVENT_READ | (selectors.EVENT_WRITE if session.outbox else 0))
 
     def _expire_unread(self) -> None:
         """Drop the producers that left their answers unread for ``send_timeout_s``."""
         now = time.monotonic()
         for conn, session in list(self._sessions.items()):
-            if session.unread_since is not None and now - session.unread_since > self._send_timeout_s:
+            if session.stalled_since is not None and now - session.stalled_since > self._send_timeout_s:
                 self._reject(conn, session, f"answers unread for {self._send_timeout_s:.1f} s")
 
     def _drop(self, conn: socket.socket) -> None:

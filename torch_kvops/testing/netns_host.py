@@ -4,7 +4,9 @@ namespace joined to this one by a veth pair, each side with an address from
 (:func:`enter`, before it opens any socket) and is then reached only across the
 pair, which :meth:`NetnsHost.partition` cuts (every packet dropped both ways, the way
 a failed switch or a firewall does: no reset, connections hang) and
-:meth:`NetnsHost.heal` restores. Namespace and pair are removed on close.
+:meth:`NetnsHost.heal` restores. On close the processes still inside are ended and
+namespace and pair removed (emulated_link.py's tools: the same bounded commands and
+clear errors).
 
 Packets are dropped by a ``tc tbf`` bucket too small for any packet: ``netem`` is
 missing from some kernels (this project's CI machine among them).
@@ -13,16 +15,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-import subprocess
-from typing import List
 
-_CMD_TIMEOUT_S = 10.0
+from ..emulated_link import check_prerequisites, remove_namespace, run_tool
+
 _CLONE_NEWNET = 0x40000000
 _DROP_ALL = ["tbf", "rate", "8bit", "burst", "1", "limit", "1"]
-
-
-def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(list(cmd), check=check, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
 
 
 class NetnsHost:
@@ -36,38 +33,37 @@ class NetnsHost:
         self._outside = f"kvh{os.getpid() % 10000}x{index}"
         net = f"198.18.{200 + index}"
         self.address, self.gateway = f"{net}.2", f"{net}.1"
-        _run("ip", "netns", "add", self.name)
+        check_prerequisites()  # root, ip and tc: a clear error, never a fallback
+        run_tool(["ip", "netns", "add", self.name])
         try:
-            _run("ip", "link", "add", self._outside, "type", "veth", "peer", "name", "eth0", "netns", self.name)
-            _run("ip", "addr", "add", f"{self.gateway}/30", "dev", self._outside)
-            _run("ip", "link", "set", self._outside, "up")
-            _run("ip", "-n", self.name, "addr", "add", f"{self.address}/30", "dev", "eth0")
-            _run("ip", "-n", self.name, "link", "set", "eth0", "up")
-            _run("ip", "-n", self.name, "link", "set", "lo", "up")
+            run_tool(["ip", "link", "add", self._outside, "type", "veth", "peer", "name", "eth0", "netns", self.name])
+            run_tool(["ip", "addr", "add", f"{self.gateway}/30", "dev", self._outside])
+            run_tool(["ip", "link", "set", self._outside, "up"])
+            run_tool(["ip", "-n", self.name, "addr", "add", f"{self.address}/30", "dev", "eth0"])
+            run_tool(["ip", "-n", self.name, "link", "set", "eth0", "up"])
+            run_tool(["ip", "-n", self.name, "link", "set", "lo", "up"])
         except BaseException:
             self.close()
             raise
 
     def partition(self) -> None:
         """Drop every packet across the pair, both ways."""
-        _run("tc", "qdisc", "replace", "dev", self._outside, "root", *_DROP_ALL)
-        _run("tc", "-n", self.name, "qdisc", "replace", "dev", "eth0", "root", *_DROP_ALL)
+        run_tool(["tc", "qdisc", "replace", "dev", self._outside, "root", *_DROP_ALL])
+        run_tool(["tc", "-n", self.name, "qdisc", "replace", "dev", "eth0", "root", *_DROP_ALL])
 
     def drop_inbound(self) -> None:
         """Drop every packet sent to the namespace (a host that drops what it gets)."""
-        _run("tc", "qdisc", "replace", "dev", self._outside, "root", *_DROP_ALL)
+        run_tool(["tc", "qdisc", "replace", "dev", self._outside, "root", *_DROP_ALL])
 
     def heal(self) -> None:
-        _run("tc", "qdisc", "del", "dev", self._outside, "root", check=False)
-        _run("tc", "-n", self.name, "qdisc", "del", "dev", "eth0", "root", check=False)
+        run_tool(["tc", "qdisc", "del", "dev", self._outside, "root"], check=False)
+        run_tool(["tc", "-n", self.name, "qdisc", "del", "dev", "eth0", "root"], check=False)
 
-    def close(self) -> List[str]:
-        """Remove the pair and the namespace; returns what could not be removed."""
-        problems = []
-        _run("ip", "link", "del", self._outside, check=False)
-        if _run("ip", "netns", "del", self.name, check=False).returncode != 0:
-            problems.append(f"namespace {self.name} not removed")
-        return problems
+    def close(self) -> None:
+        """End the processes still inside, remove the pair and the namespace
+        (``LinkError`` if it stays)."""
+        run_tool(["ip", "link", "del", self._outside], check=False)
+        remove_namespace(self.name)
 
     def __enter__(self) -> "NetnsHost":
         return self

@@ -59,7 +59,7 @@ class DecodeLinks:
     def _publish(self) -> None:
         """Links live and backing off, as changes (the gauges
         ``vllm:kvops_decode_links`` and ``vllm:kvops_decode_links_backing_off``)."""
-        now = (len(self._peers), len(self._breaker.states()))
+        now = (len(self._peers), len(self._breaker))
         if now != self._published:
             self._metrics.count("links_change", now[0] - self._published[0])
             self._metrics.count("links_backing_off_change", now[1] - self._published[1])

@@ -261,9 +261,9 @@ class ProducerScheduler:
                 self._releasing.add(req_id)
 
     def _expire_holds(self, now: float) -> None:
+        pool = self.kv_cache_manager.block_pool.num_gpu_blocks
         while self._held:
             req_id, push = next(iter(self._held.items()))
-            pool = self.kv_cache_manager.block_pool.num_gpu_blocks
             if len(self._held) > self.settings.max_held_requests:
                 cause, why = "hold_overflow", f"while {self.settings.max_held_requests} requests were held"
             elif self._held_blocks > self.settings.max_held_pool_share * pool:
