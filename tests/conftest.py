@@ -5,3 +5,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+# The suite runs every engine on this one host: their addresses default to loopback here
+# (an engine's own default is the host's routed address, addresses.py), and prefill
+# engines started side by side take free side-channel ports (their default is 8999).
+# Tests of the defaults themselves, and the emulated-hosts test, set their own.
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("KVOPS_SIDE_CHANNEL_PORT", "0")

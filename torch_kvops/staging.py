@@ -197,7 +197,8 @@ class ProducerStaging:
         self._transport = transport
         self._buffer = _block_buffer(caches, grant.slots * grant.slot_blocks)
         self._block_bytes = caches[0][0].numel() * caches[0].element_size()
-        transport.register(self._buffer.data_ptr(), self._buffer.numel() * self._buffer.element_size())
+        transport.register(self._buffer.data_ptr(), self._buffer.numel() * self._buffer.element_size(),
+                           exposed=False)
         self.busy = [False] * grant.slots  # waiting for the peer's ack
         self._next = 0
 

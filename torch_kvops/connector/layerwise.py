@@ -94,7 +94,8 @@ class LayerwiseConnector:
         if not self._device_staged:
             for layer in self._layout.layers:
                 base, length = layer.span()
-                self.transport.register(base, length)
+                # P's cache is only ever read by its own writes: never offered to peers
+                self.transport.register(base, length, exposed=self.role == "consumer")
                 self._registered.append(base)
         if self.role == "producer":
             self._side = ProducerSide(self.engine_id, self._caches, self._layout, self.transport,

@@ -54,9 +54,10 @@ class Transport(abc.ABC):
         return device_type == "cpu"
 
     @abc.abstractmethod
-    def register(self, ptr: int, length: int) -> None:
-        """Make ``[ptr, ptr + length)`` usable as a write source here and as a write
-        destination for peers. Idempotent per ``ptr``."""
+    def register(self, ptr: int, length: int, *, exposed: bool = True) -> None:
+        """Make ``[ptr, ptr + length)`` usable as a write source here and, unless
+        ``exposed`` is False, as a write destination for peers. A transport keeps an
+        unexposed region out of reach of its peers where it can. Idempotent per ``ptr``."""
 
     @abc.abstractmethod
     def unregister(self, ptr: int) -> None:

@@ -1,18 +1,25 @@
 """Settings and the per-step metadata the scheduler side hands the worker side."""
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata, KVConnectorMetadata)
 
+from ...addresses import Endpoint, endpoint
 from ...connector import ConnectorConfig
 
 if TYPE_CHECKING:
     from .side_channel import FleetAuth, TlsFiles
 
+log = logging.getLogger(__name__)
+
 PUSH_MODES = ("layerwise", "after_forward")
+SIDE_CHANNEL_PORT_ENV = "KVOPS_SIDE_CHANNEL_PORT"
+DEFAULT_SIDE_CHANNEL_PORT = 8999
 # kv_connector_extra_config keys of vLLM's MooncakeConnector -> ours
 MOONCAKE_CONNECTOR_ALIASES = {"mooncake_protocol": "protocol"}
 
@@ -30,9 +37,18 @@ class KvopsSettings:
         ``mooncake_protocol`` is accepted for ``protocol``. An engine asked for RDMA
         on a host without an RDMA device refuses to start (Mooncake would silently
         fall back to TCP).
-    host: address the Mooncake transport and control channel bind to.
+    host: this engine's address for the Mooncake transport and control channel. Empty
+        (the default): ``$VLLM_HOST_IP``, else the address of the interface that routes
+        out, as vLLM picks it (addresses.py); ``0.0.0.0`` binds every interface and
+        advertises the host's address, never itself.
     side_channel_host / side_channel_port: prefill side: where decode instances post the
-        block ids they allocated (port 0 picks a free one; the proxy must know it).
+        block ids they allocated. The host defaults to ``host``; the port to
+        ``$KVOPS_SIDE_CHANNEL_PORT``, else 8999 (``DEFAULT_SIDE_CHANNEL_PORT``), so a
+        router or proxy knows it as it knows the bootstrap port 8998; 0 picks a free
+        one (the bootstrap endpoint's ``/query`` still names it).
+    allow_insecure: an engine whose addresses are not all loopback refuses to start
+        without a fleet key (anyone who reaches it could choose where P pushes a
+        request's KV); true starts it anyway, with a warning.
     late_binding: prefill side (default True): a request is scheduled at once, whatever
         the order in which the router sends it to P and D; its blocks go to D as soon as
         both their KV is written and D's destination arrived (docs/vllm.md). False gives
@@ -82,11 +98,12 @@ class KvopsSettings:
     """
 
     push_mode: str = "layerwise"
-    host: str = "127.0.0.1"
+    host: str = ""
     protocol: str = "tcp"
     device_name: str = ""
-    side_channel_host: str = "127.0.0.1"
-    side_channel_port: int = 0
+    side_channel_host: str = ""
+    side_channel_port: Optional[int] = None  # None: $KVOPS_SIDE_CHANNEL_PORT, else 8999
+    allow_insecure: bool = False
     late_binding: bool = True
     hold_for_decode_s: float = 30.0
     max_held_requests: int = 64
@@ -112,6 +129,11 @@ class KvopsSettings:
     def __post_init__(self) -> None:
         if self.wait_for_decode_s is None:
             self.wait_for_decode_s = 0.0 if self.late_binding else 10.0
+        if self.side_channel_port is None:
+            port = os.environ.get(SIDE_CHANNEL_PORT_ENV, str(DEFAULT_SIDE_CHANNEL_PORT))
+            if not port.isdigit():
+                raise ValueError(f"${SIDE_CHANNEL_PORT_ENV}={port!r} is not a port number")
+            self.side_channel_port = int(port)
 
     @staticmethod
     def from_extra(extra: Optional[Dict[str, Any]]) -> "KvopsSettings":
@@ -153,9 +175,41 @@ class KvopsSettings:
                              f"{settings.max_held_requests!r}")
         if not isinstance(settings.bootstrap_server_address, str):
             raise ValueError("bootstrap_server_address must be a host:port string")
+        if not all(isinstance(h, str) for h in (settings.host, settings.side_channel_host)):
+            raise ValueError("host and side_channel_host must be strings (empty: the host's address)")
+        if not isinstance(settings.side_channel_port, int) or not 0 <= settings.side_channel_port < 65536:
+            raise ValueError(f"side_channel_port must be a port number, got {settings.side_channel_port!r}")
+        if not isinstance(settings.allow_insecure, bool):
+            raise ValueError(f"allow_insecure must be true or false, got {settings.allow_insecure!r}")
         ConnectorConfig(**settings.connector)  # reject unknown fields now, not in the worker
         settings.side_channel_security()  # a missing key file or half the TLS files: now
+        settings.check_exposure()
         return settings
+
+    def data_endpoint(self) -> Endpoint:
+        """Where the Mooncake transport and the control channel are reached."""
+        return endpoint(self.host)
+
+    def side_channel_endpoint(self) -> Endpoint:
+        """Where P's side channel (and by default its bootstrap endpoint) listens."""
+        return endpoint(self.side_channel_host or self.host)
+
+    def check_exposure(self) -> None:
+        """Refuse an engine reachable beyond this host without a fleet key (unless
+        ``allow_insecure``, then warn): unsigned, anyone who reaches it chooses where
+        P pushes a request's KV, or posts into D's requests."""
+        exposed = [e.bind for e in (self.data_endpoint(), self.side_channel_endpoint())
+                   if not e.loopback_only]
+        if not exposed or self.fleet_key() is not None:
+            return
+        what = (f"kvops: this engine listens on {sorted(set(exposed))}, beyond this host, without a "
+                "fleet key: anyone who reaches it can choose where P pushes a request's KV and "
+                "read what crosses its side channel")
+        if not self.allow_insecure:
+            raise ValueError(f"{what}. Give every engine of the fleet the same key "
+                             "(kv_connector_extra_config fleet_key_file, or $KVOPS_FLEET_KEY_FILE), "
+                             "bind to loopback (host: 127.0.0.1), or set allow_insecure: true")
+        log.warning("%s (allow_insecure: true)", what)
 
     def fleet_key(self) -> Optional[bytes]:
         """The fleet key (None without one); read from its file on every call."""

@@ -69,7 +69,7 @@ class KvopsWorker:
         self.latent = latent
         self.heads = rank_heads(1 if latent else total_kv_heads, tp_size, tp_rank)
         self._by_head = False  # units are heads of blocks (tp.py), else whole blocks
-        self.transport = MooncakeTransport(host=settings.host, protocol=settings.protocol,
+        self.transport = MooncakeTransport(host=settings.data_endpoint().advertise, protocol=settings.protocol,
                                            device_name=settings.device_name)
         try:
             self.conn = LayerwiseConnector(self.role, self.transport, settings.connector_config(),

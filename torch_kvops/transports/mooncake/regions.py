@@ -2,7 +2,12 @@
 
 Mooncake's TCP transport does not check that a write's *source* range is registered (it
 simply reads the pointer), so the transport keeps its own sorted index of what it
-registered and checks every source range against it (:mod:`.descriptors`).
+registered and checks every source range against it (:mod:`.descriptors`). The same
+fact lets a region that is only ever a write *source* stay out of Mooncake on TCP
+(``exposed=False``): Mooncake's TCP server serves reads as well as writes of every
+region registered with it to any peer that completes its unauthenticated handshake,
+so a producer's KV cache registered there could be read by anyone who reaches the
+port. RDMA needs every local buffer registered (the NIC reads it through its key).
 Registering runs the Mooncake call outside the transport's lock, so a long registration
 (RDMA pins the pages) does not hold up a ``write()`` on another thread. Unregistering
 waits while transfers still read the region (:mod:`.pins`).
@@ -75,13 +80,17 @@ class Registry:
     """Registers and unregisters memory with the engine in ``slot``, keeping ``index``
     in step; ``pins`` tells which regions transfers still read."""
 
-    def __init__(self, slot: EngineSlot, pins: SourcePins):
+    def __init__(self, slot: EngineSlot, pins: SourcePins, protocol: str):
         self._slot = slot
         self._pins = pins
+        self._engine_needs_sources = protocol != "tcp"
         self.index = RegionIndex()
+        self._in_engine: set = set()  # starts registered with Mooncake (the rest: index only)
 
-    def register(self, ptr: int, length: int) -> None:
-        """Register ``[ptr, ptr + length)`` (idempotent for the same ``ptr`` and ``length``)."""
+    def register(self, ptr: int, length: int, exposed: bool = True) -> None:
+        """Register ``[ptr, ptr + length)`` (idempotent for the same ``ptr`` and ``length``);
+        ``exposed=False``: a write source only, kept out of Mooncake where the protocol
+        allows (TCP)."""
         ptr, length = int(ptr), int(length)
         if ptr <= 0 or length <= 0:
             raise TransportError(f"cannot register ptr={ptr:#x} length={length}", transient=False)
@@ -90,11 +99,15 @@ class Registry:
             slot.check_open_locked()
             known = self.index.length(ptr)
             if known is not None:
-                if known == length:
+                if known == length and (ptr in self._in_engine or not exposed):
                     return
-                raise TransportError(f"ptr {ptr:#x} is already registered with length {known}, not "
-                                     f"{length}; unregister it first", transient=False)
+                raise TransportError(f"ptr {ptr:#x} is already registered (length {known}"
+                                     f"{', not exposed to peers' if known == length else ''}); "
+                                     "unregister it first", transient=False)
             engine = slot.engine
+            if not exposed and not self._engine_needs_sources:
+                self.index.add(ptr, length)
+                return
         # batch_register_memory releases the GIL (register_memory does not).
         rc = engine.batch_register_memory([ptr], [length])
         if rc != 0:
@@ -104,6 +117,7 @@ class Registry:
         with slot.lock:
             if slot.engine is engine and not slot.closed:
                 self.index.add(ptr, length)
+                self._in_engine.add(ptr)
                 return
         engine.batch_unregister_memory([ptr])  # closed meanwhile
         raise TransportError("transport was closed during register()", transient=False)
@@ -138,6 +152,9 @@ class Registry:
                 slot.cond.wait(min(remaining, 0.01))
             self._pins.forget_locked(ptr)
             engine = slot.engine
+            if ptr not in self._in_engine:
+                return
+            self._in_engine.discard(ptr)
         rc = engine.batch_unregister_memory([ptr])
         if rc != 0:
             raise TransportError(f"Mooncake unregister_memory({ptr:#x}) failed with {rc}",
@@ -145,9 +162,10 @@ class Registry:
 
     def release_all_locked(self, engine: Any) -> None:
         """Unregister every region (at close; problems are logged) and empty the index."""
-        regions = self.index.ptrs()
+        regions = [ptr for ptr in self.index.ptrs() if ptr in self._in_engine]
         if regions:
             rc = engine.batch_unregister_memory(regions)
             if rc != 0:
                 log.warning("MooncakeTransport.close(): unregister_memory failed with %d", rc)
         self.index.clear()
+        self._in_engine.clear()

@@ -104,7 +104,7 @@ class MooncakeTransport(Transport):
 
         self._slot = EngineSlot()
         self._pins = SourcePins(self._slot.cond)
-        self._registry = Registry(self._slot, self._pins)
+        self._registry = Registry(self._slot, self._pins, protocol)
         self._peers = PeerHandshakes(self._slot)
         self._address = ""
 
@@ -136,12 +136,14 @@ class MooncakeTransport(Transport):
         return False
 
     # ------------------------------------------------------------------ registration
-    def register(self, ptr: int, length: int) -> None:
+    def register(self, ptr: int, length: int, *, exposed: bool = True) -> None:
         """Register ``[ptr, ptr + length)`` (idempotent for the same ``ptr`` and ``length``).
+        ``exposed=False`` (a write source only): on TCP, Mooncake never learns of it, so
+        no peer can read it (regions.py); RDMA registers it anyway.
 
         The Mooncake call runs outside this transport's lock, so a long registration
         (RDMA pins the pages) does not hold up a ``write()`` on another thread."""
-        self._registry.register(ptr, length)
+        self._registry.register(ptr, length, exposed)
 
     def unregister(self, ptr: int, *, timeout_s: Optional[float] = None) -> None:
         """Unregister the region starting at ``ptr`` (unknown pointers are ignored).

@@ -25,9 +25,16 @@ def start_prefill_endpoints(settings: "KvopsSettings", tp_size: int, engine_id: 
     as an error and P starts without it; a configured address that cannot be bound
     stops P."""
     auth, tls = settings.side_channel_security()
-    server = DestinationServer(settings.side_channel_host, settings.side_channel_port,
-                               facts={"prefill_tp": tp_size}, auth=auth, tls=tls,
-                               max_connections=settings.side_channel_max_connections)
+    where = settings.side_channel_endpoint()
+    try:
+        server = DestinationServer(where.bind, settings.side_channel_port, facts={"prefill_tp": tp_size},
+                                   auth=auth, tls=tls, max_connections=settings.side_channel_max_connections,
+                                   advertise=where.advertise)
+    except OSError as exc:
+        raise OSError(exc.errno, f"kvops: P's side channel cannot listen on {where.bind}:"
+                                 f"{settings.side_channel_port} ({exc.strerror}); set side_channel_port "
+                                 "(0: a free port, which GET /query names) or $KVOPS_SIDE_CHANNEL_PORT "
+                                 "to run more than one prefill instance on a host") from exc
     if auth is None:
         warn_unauthenticated(
             f"P's side channel at {server.address} accepts destinations from anyone who can reach "
@@ -36,7 +43,7 @@ def start_prefill_endpoints(settings: "KvopsSettings", tp_size: int, engine_id: 
     if not settings.bootstrap_endpoint:
         return server, None
     try:
-        host, port = bootstrap_address(settings.bootstrap_server_address, settings.side_channel_host)
+        host, port = bootstrap_address(settings.bootstrap_server_address, where.bind)
         bootstrap = BootstrapServer(host, port, engine_id or "kvops-prefill", server.address, tp_size,
                                     signed=auth is not None, tls=tls is not None)
     except OSError as exc:

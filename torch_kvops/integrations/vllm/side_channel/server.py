@@ -74,7 +74,8 @@ class DestinationServer:
     def __init__(self, host: str, port: int, capacity: int = 4096, ttl_s: float = 300.0,
                  io_timeout_s: float = 2.0, facts: Optional[dict] = None, *,
                  auth: Optional[FleetAuth] = None, tls: Optional[TlsFiles] = None,
-                 max_connections: int = 64, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 max_connections: int = 64, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 advertise: Optional[str] = None) -> None:
         self._capacity, self._ttl_s = capacity, ttl_s
         self._message_timeout_s = io_timeout_s  # total, per message
         self._max_connections, self._max_bytes = max_connections, max_message_bytes
@@ -97,7 +98,8 @@ class DestinationServer:
         self._error: Optional[BaseException] = None
         self._sock = socket.create_server((host, port))
         self._sock.setblocking(False)
-        self.address = f"{host}:{self._sock.getsockname()[1]}"
+        # what decode instances are told: the host's address when bound to every interface
+        self.address = f"{advertise or host}:{self._sock.getsockname()[1]}"
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._sock, selectors.EVENT_READ)
         self._thread = threading.Thread(target=self._serve, name="kvops-side-channel", daemon=True)
