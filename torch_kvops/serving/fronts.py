@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 from .ports import free_port
 
@@ -28,6 +28,7 @@ class _Launched:
     env: Dict[str, str] = field(default_factory=dict, kw_only=True)
     grace_s: float = field(default=5.0, kw_only=True)
     role: str = field(default="proxy", kw_only=True)
+    netns: Optional[str] = field(default=None, kw_only=True)  # as ServerSpec's
 
     def environment(self) -> Dict[str, str]:
         return dict(os.environ, **self.env)

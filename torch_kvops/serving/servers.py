@@ -53,6 +53,10 @@ SHM_SPIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shm_spi
 SHM_BUSY_LOOP_VARIABLE = "VLLM_SHM_BROADCAST_BUSY_LOOP_S"  # vllm-project/vllm#52814
 CONNECTOR = {"kv_connector": "KvopsLayerwiseConnector",
              "kv_connector_module_path": "torch_kvops.integrations.vllm"}
+# P's bootstrap port when nothing sets it (vLLM's $VLLM_MOONCAKE_BOOTSTRAP_PORT default, as
+# side_channel/bootstrap.py; not imported from there: that would load vLLM into the harness)
+DEFAULT_BOOTSTRAP_PORT = 8998
+ADDRESS_ENV = ("VLLM_HOST_IP", "KVOPS_SIDE_CHANNEL_PORT")  # what default_addresses removes
 BASE_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # several servers share the machine's cores
     "TOKENIZERS_PARALLELISM": "false",
@@ -84,7 +88,11 @@ class ServerSpec:
     ``side_channel_port`` 0 mean a free port picked at the first start and kept on
     restarts. ``extra_args`` are appended to the server's command line; ``env`` to
     its environment (over :data:`BASE_ENV`; its PYTHONPATH goes first on the server's);
-    ``threads`` sets OMP_NUM_THREADS."""
+    ``threads`` sets OMP_NUM_THREADS. ``netns``: the network namespace (an emulated
+    host, testing/emulated_hosts.py) the server runs in. ``default_addresses``: the
+    connector gets no address setting and the server none of the harness's address
+    environment (``$VLLM_HOST_IP``, ``$KVOPS_SIDE_CHANNEL_PORT``): it picks its own, as on
+    a host of a real deployment (P's bootstrap endpoint then listens on 8998)."""
 
     name: str
     model: str
@@ -114,8 +122,12 @@ class ServerSpec:
     # benchmark aid: vLLM's message-queue busy-spin after each step, seconds (vLLM: 1);
     # shm_spin/sitecustomize.py applies it to vLLM versions that do not read it
     shm_busy_loop_s: Optional[float] = None
+    netns: Optional[str] = None
+    default_addresses: bool = False
 
     def __post_init__(self) -> None:
+        if self.default_addresses and self.role == "prefill":
+            self.bootstrap_port = self.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
         if self.role not in ROLES:
             raise ValueError(f"role {self.role!r} is not one of {ROLES}")
         if self.tensor_parallel_size < 1:
@@ -123,14 +135,15 @@ class ServerSpec:
 
     def kv_transfer_config(self) -> Optional[dict]:
         """The server's ``--kv-transfer-config`` (None for the monolithic reference)."""
+        addresses = {} if self.default_addresses else {"host": self.host}
         if self.role == "prefill":
-            extra = merged({"host": self.host, "side_channel_host": self.host,
-                            "side_channel_port": self.side_channel_port,
-                            "bootstrap_server_address": f"{self.host}:{self.bootstrap_port}"},
-                           self.kv_connector_extra_config)
+            if not self.default_addresses:
+                addresses.update(side_channel_host=self.host, side_channel_port=self.side_channel_port,
+                                 bootstrap_server_address=f"{self.host}:{self.bootstrap_port}")
+            extra = merged(addresses, self.kv_connector_extra_config)
             return dict(CONNECTOR, kv_role="kv_producer", kv_connector_extra_config=extra)
         if self.role == "decode":
-            extra = merged({"host": self.host, "connector": {"lease_s": self.lease_s}},
+            extra = merged(dict(addresses, connector={"lease_s": self.lease_s}),
                            self.kv_connector_extra_config)
             return dict(CONNECTOR, kv_role="kv_consumer", kv_load_failure_policy="recompute",
                         kv_connector_extra_config=extra)
@@ -158,6 +171,9 @@ class ServerSpec:
     def environment(self) -> Dict[str, str]:
         env = dict(os.environ, **BASE_ENV)
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        if self.default_addresses:
+            for name in ADDRESS_ENV:
+                env.pop(name, None)
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
         # the spec's own entries first, then the spin setting's, then the harness's
@@ -219,14 +235,17 @@ class Server:
                 raise ServerError(f"{self.name} is already running (pid {self.proc.pid})")
             if not self.spec.port:
                 self.spec.port = free_port(self.spec.host)
-            if self.spec.role == "prefill" and not self.spec.side_channel_port:
-                self.spec.side_channel_port = free_port(self.spec.host)
-            if self.spec.role == "prefill" and not self.spec.bootstrap_port:
-                self.spec.bootstrap_port = free_port(self.spec.host)
+            if self.spec.role == "prefill" and not getattr(self.spec, "default_addresses", False):
+                if not self.spec.side_channel_port:
+                    self.spec.side_channel_port = free_port(self.spec.host)
+                if not self.spec.bootstrap_port:
+                    self.spec.bootstrap_port = free_port(self.spec.host)
             # the reaper by its path: as a module it would import torch_kvops (and torch),
             # ~150 MB per server for a loop over /proc
             cmd = [sys.executable, REAPER, "--grace", str(self.spec.grace_s), "--",
                    *self.spec.command()]
+            if self.spec.netns:  # `ip netns exec` execs the reaper: its pid stays the group's
+                cmd = ["ip", "netns", "exec", self.spec.netns, *cmd]
             self.starts += 1
             with open(self.log_path, "a") as log:  # restarts append to the same log
                 log.write(f"\n===== start {self.starts} of {self.name} at {time.strftime('%H:%M:%S')}: "
