@@ -3,6 +3,7 @@ dispatches: scheduler-side calls go to scheduler.py, worker-side calls to worker
 from __future__ import annotations
 
 import logging
+import sys
 from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
 
 import torch
@@ -33,6 +34,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ROLES = {"kv_producer": "producer", "kv_consumer": "consumer"}
+
+
+def _kv_role_of(extra_config: Dict[str, Any]) -> Optional[str]:
+    """The ``kv_role`` of the KVTransferConfig that holds this very ``extra_config``
+    dict, or None. vLLM (0.32) asks requires_piecewise_for_cudagraph with the extra
+    config alone, from a VllmConfig method; the role is on that VllmConfig's
+    kv_transfer_config, found by identity in the calling frames (never by value: a
+    MultiConnector's child config is another dict and gets None)."""
+    frame = sys._getframe(1)
+    for _ in range(6):
+        if frame is None:
+            break
+        config = getattr(frame.f_locals.get("self"), "kv_transfer_config", None)
+        if config is not None and getattr(config, "kv_connector_extra_config", None) is extra_config:
+            return getattr(config, "kv_role", None)
+        frame = frame.f_back
+    return None
 
 
 class KvopsLayerwiseConnector(KVConnectorBase_V1):
@@ -98,9 +116,11 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
-        # The push ops themselves are capturable, but vLLM calls save_kv_layer from
-        # Python around the attention op, which full CUDA graphs skip on replay.
-        return True
+        """Only P: the push ops themselves are capturable, but vLLM calls save_kv_layer
+        from Python around the attention op, which full CUDA graphs skip on replay. D's
+        layer hooks do nothing, so D keeps vLLM's full decode graphs. Unsure of the
+        role (see :func:`_kv_role_of`): piecewise, which is always correct."""
+        return _kv_role_of(extra_config) != "kv_consumer"
 
     # ------------------------------------------------------------------ worker side
 
