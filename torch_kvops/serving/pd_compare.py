@@ -113,12 +113,14 @@ def main(argv: Optional[List[str]] = None) -> dict:
     side_port = free_port()
     kvops = {"kv_connector": "KvopsLayerwiseConnector",
              "kv_connector_module_path": "torch_kvops.integrations.vllm"}
+    # one host: every engine on loopback (the default is the host's routed address,
+    # which needs a fleet key)
     prefill_cfg = dict(kvops, kv_role="kv_producer", kv_connector_extra_config={
-        "side_channel_port": side_port, "wait_for_decode_s": 10.0, "step_timeout_s": 15.0,
+        "host": "127.0.0.1", "side_channel_port": side_port, "wait_for_decode_s": 10.0, "step_timeout_s": 15.0,
         "bootstrap_endpoint": False,  # our proxy posts to the side channel itself
         "connector": {"transfer_timeout_s": 5.0, "max_retries": 1, "quarantine_s": 0.2}})
     decode_cfg = dict(kvops, kv_role="kv_consumer", kv_load_failure_policy="recompute",
-                      kv_connector_extra_config={"connector": dict(
+                      kv_connector_extra_config={"host": "127.0.0.1", "connector": dict(
                           {"lease_s": args.lease_s, "integrity_check": args.integrity},
                           **({} if args.fence_drain_s is None else {"fence_drain_s": args.fence_drain_s}))})
     producer_addr = f"127.0.0.1:{side_port}"
