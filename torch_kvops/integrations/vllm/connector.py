@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults)
 
 from . import metrics
+from .kv_layout import HEAD_MAJOR
 from .metadata import KvopsConnectorMetadata, KvopsHandshake, KvopsSettings
 from .scheduler import ConsumerScheduler, ProducerScheduler
 from .tp import check_tp, merge_decode_peers
@@ -115,6 +116,14 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
         return False
 
     @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> Optional[str]:
+        """LBHNC (kv_layout.py): one KV head of one block contiguous, so unequal tensor
+        parallelism moves head ranges. None for MLA (no head axis)."""
+        if vllm_config.model_config is not None and vllm_config.model_config.use_mla:
+            return None
+        return HEAD_MAJOR
+
+    @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
         """Only P: the push ops themselves are capturable, but vLLM calls save_kv_layer
         from Python around the attention op, which full CUDA graphs skip on replay. D's
@@ -125,7 +134,8 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
-        self._worker.register_kv_caches(kv_caches)
+        # the layout vLLM resolved (and allocated the caches in) by now
+        self._worker.register_kv_caches(kv_caches, self._vllm_config.cache_config.kv_cache_layout)
 
     def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
         if self._worker is None or self.kv_role != "consumer":

@@ -13,6 +13,7 @@ import torch
 from ...connector import LayerwiseConnector
 from ...transports import MooncakeTransport
 from .metadata import KvopsConnectorMetadata, KvopsSettings
+from .kv_layout import HEAD_MAJOR, in_physical_order
 from .metrics import KvopsConnectorStats, StatsCollector
 from .tp import rank_heads
 
@@ -67,6 +68,7 @@ class KvopsWorker:
         self.settings, self.num_blocks = settings, num_blocks
         self.total_kv_heads, self.tp_rank, self.tp_size = total_kv_heads, tp_rank, tp_size
         self.latent = latent
+        self.kv_cache_layout: Optional[str] = None  # vLLM's, set at registration (kv_layout.py)
         self.heads = rank_heads(1 if latent else total_kv_heads, tp_size, tp_rank)
         self._by_head = False  # units are heads of blocks (tp.py), else whole blocks
         self.transport = MooncakeTransport(host=settings.data_endpoint().advertise, protocol=settings.protocol,
@@ -83,20 +85,32 @@ class KvopsWorker:
         self.metrics = StatsCollector(self.role)
         self._idle_step = False
 
-    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor],
+                           kv_cache_layout: Optional[str] = None) -> None:
+        """Register vLLM's caches, laid out as ``kv_cache_layout`` says (vLLM's resolved
+        ``cache_config.kv_cache_layout``; None where it resolved none)."""
         caches = []
+        self.kv_cache_layout = kv_cache_layout
+        if not self.latent:
+            kv_caches = {name: in_physical_order(name, cache, self.kv_cache_layout)
+                         for name, cache in kv_caches.items()}
         first = kv_caches[min(kv_caches, key=_layer_index)]
         if self.latent and not (first.dim() >= 2 and first.size(0) == self.num_blocks
                                 and first[0].is_contiguous()):
             raise ValueError(f"MLA KV cache layout shape={tuple(first.shape)} stride={first.stride()}: "
                              "KvopsLayerwiseConnector needs [num_blocks, block_size, latent] with "
                              "each block contiguous")
-        self._by_head = (not self.latent and first.dim() >= 3 and first.size(0) == self.num_blocks
-                         and first.size(1) == len(self.heads) and first.is_contiguous())
+        head_major = self.kv_cache_layout in (None, HEAD_MAJOR)  # None: vLLM resolved none
+        self._by_head = (not self.latent and head_major and first.dim() >= 3
+                         and first.size(0) == self.num_blocks and first.size(1) == len(self.heads)
+                         and first.is_contiguous())
         if not self._by_head and not self.latent and self.tp_size > 1:
-            raise ValueError(f"KV cache layout shape={tuple(first.shape)}: tensor parallelism needs "
-                             "[num_blocks, kv_heads, ...] with contiguous blocks (a head range of a "
-                             "block must be contiguous to move it between ranks)")
+            raise ValueError(f"KV cache layout {self.kv_cache_layout or 'unresolved'} shape="
+                             f"{tuple(first.shape)}: tensor parallelism needs vLLM's {HEAD_MAJOR} "
+                             "layout ([num_blocks, kv_heads, ...] with contiguous blocks: a head range "
+                             "of a block must be contiguous to move it between ranks); the connector "
+                             "asks vLLM for it, and an attention backend that cannot use it "
+                             "made vLLM pick another")
         for name in sorted(kv_caches, key=_layer_index):
             views = block_views(name, kv_caches[name], self.num_blocks,
                                 len(self.heads) if self._by_head else None)
@@ -104,8 +118,9 @@ class KvopsWorker:
             caches.extend(views)
         self._all_views = [iv for name in self._views for iv in self._views[name]]
         self.conn.register_kv_caches(caches)
-        log.info("kvops %s: %d attention layers as %d caches of %s", self.role, len(kv_caches),
-                 len(caches), tuple(caches[0].shape))
+        log.info("kvops %s: %d attention layers as %d caches of %s (vLLM layout %s, %s)", self.role,
+                 len(kv_caches), len(caches), tuple(caches[0].shape), self.kv_cache_layout,
+                 "by head" if self._by_head else "by block")
 
     # ------------------------------------------------------------------ per step (the roles')
 

@@ -41,10 +41,10 @@ class ConsumerWorker(KvopsWorker):
         self._ended_failed: Set[str] = set()
 
     def peer_info(self) -> dict:
-        """This rank's consumer peer_info, with its tensor-parallel rank and how its
-        units address heads."""
+        """This rank's consumer peer_info, with its tensor-parallel rank, how its units
+        address heads, and vLLM's layout of its cache (kv_layout.py)."""
         return dict(self.conn.peer_info(), tp_rank=self.tp_rank, tp_size=self.tp_size,
-                    by_head=self._by_head, latent=self.latent)
+                    by_head=self._by_head, latent=self.latent, kv_cache_layout=self.kv_cache_layout)
 
     def begin_step(self, meta: KvopsConnectorMetadata) -> None:
         for recv in meta.recv:

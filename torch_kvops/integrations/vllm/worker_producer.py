@@ -114,6 +114,11 @@ class ProducerWorker(KvopsWorker):
         """This rank's parts of one chunk: per decode rank it sends heads to, the units
         of those heads in the chunk's blocks (None for a rank that cannot be reached)."""
         decode_tp = len(push.peers)
+        layouts = {p.get("kv_cache_layout") for p in push.peers}
+        if layouts != {self.kv_cache_layout}:  # same block bytes, read in another order
+            raise ValueError(f"request {push.req_id}: decode KV cache layout {sorted(map(str, layouts))}, "
+                             f"this engine's {self.kv_cache_layout}: engines of a fleet need one "
+                             "layout (vLLM's kv_cache_layout, $VLLM_KV_CACHE_LAYOUT)")
         if self.latent or any(p.get("latent") for p in push.peers):
             return self._plan_latent(push)
         by_head = all(p.get("by_head") for p in push.peers) and self._by_head
