@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 # 2: authenticated handshake, begin names destination blocks; 3: integrity digests
 # per layer ("digests" notices), in the mode the link agreed on; 4: the fence: "begun"
@@ -39,6 +39,10 @@ class ConnectorConfig:
     # this long after the request was first expected
     max_wait_s: float = 300.0
     control_timeout_s: float = 5.0  # connect/send on the control channel
+    # consumer: None, a begin may start requests nobody expected; a number, a begin
+    # naming such a request is answered once expect() names it, at most this long
+    # after, and rejects it then (consumer_admission.py). Below transfer_timeout_s.
+    begin_waits_for_expect_s: Optional[float] = None
     quarantine_s: float = 1.0  # a write that failed may still land late (Mooncake#4247)
     # The fence (docs/connector.md, "The fence"). Consumer: a request it gives up on
     # while its producer may still have writes in the transport (lease expired, the
@@ -71,6 +75,11 @@ class ConnectorConfig:
         integrity_mode(self.integrity_check)  # refuse a bad value now, not at the first push
         if self.fence_drain_s < 0:
             raise ValueError(f"fence_drain_s must be >= 0, got {self.fence_drain_s}")
+        wait = self.begin_waits_for_expect_s
+        if wait is not None and not 0 <= wait < self.transfer_timeout_s:
+            raise ValueError(f"begin_waits_for_expect_s must be None or in [0, transfer_timeout_s="
+                             f"{self.transfer_timeout_s}) (the producer waits that long for an "
+                             f"answer), got {wait!r}")
         if self.staging_slots < 2:
             raise ValueError("staging_slots must be >= 2: one slot group is gathered while the "
                              f"other is on the wire, got {self.staging_slots}")

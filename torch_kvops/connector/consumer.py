@@ -15,13 +15,15 @@ covers are ignored and counted (``control_not_owner``, ``scatter_refused``).
 
 The fence (docs/connector.md, consumer_fence.py): a request given up on while its
 producer may still write is revoked and reported only once no write can land.
+Admission (consumer_admission.py): optionally, a begin starts only requests the engine
+expects.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -30,6 +32,7 @@ from ..staging import ConsumerStaging
 from ..tls import TlsFiles
 from ..transports.base import Transport
 from .config import ConnectorConfig
+from .consumer_admission import BeginAdmission
 from .consumer_fence import ConsumerFence
 from .consumer_integrity import ConsumerIntegrity
 from .integrity import BlockDigester
@@ -64,7 +67,7 @@ class _Incoming:
         return self.fenced_until is None
 
 
-class ConsumerSide(ConsumerFence, ConsumerIntegrity):
+class ConsumerSide(ConsumerFence, ConsumerIntegrity, BeginAdmission):
     """Control server, request leases and staging areas of a consumer connector (the
     fence: consumer_fence.py; integrity checks: consumer_integrity.py)."""
 
@@ -75,6 +78,7 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity):
         self._ledger = ledger
         self._stats = stats
         self._incoming: Dict[str, _Incoming] = {}
+        self._held_begins: List[Tuple[float, dict, Session]] = []  # consumer_admission.py
         # Per session: destination block -> the owned in-flight request naming it.
         self._owned_blocks: Dict[Session, Dict[int, str]] = {}
         self._num_blocks = min(c.size(0) for c in caches)
@@ -149,9 +153,7 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity):
             session.reply({"op": "welcome", "staging": grant.to_json() if grant else None,
                            "integrity": self._config.integrity_mode})
         elif op == "begin":
-            rejected = self._begin_requests(message, session)
-            # the write lease: the producer counts it from before it sent begin
-            session.reply({"op": "begun", "rejected": rejected, "grant_s": self._config.lease_s})
+            self._admit_begin(message, session)  # now, or once its requests are expected
         elif op == "scatter":
             if self._staging is None or not session.staging:
                 raise ValueError("scatter without a staging grant")
@@ -175,6 +177,14 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity):
             self._revoke_acknowledged(str(message["req"]), message.get("in_flight"), session)
         else:
             raise ValueError(f"unknown control message {op!r}")
+
+    def _answer_begin(self, message: dict, session: Session, unexpected: List[str]) -> None:
+        """Begin the requests of ``message`` but ``unexpected`` (consumer_admission.py)
+        and answer with those this session may not send."""
+        begun = dict(message, reqs=[r for r in message["reqs"] if str(r) not in unexpected])
+        rejected = self._begin_requests(begun, session) + unexpected
+        # the write lease: the producer counts it from before it sent begin
+        session.reply({"op": "begun", "rejected": rejected, "grant_s": self._config.lease_s})
 
     def _begin_requests(self, message: dict, session: Session) -> List[str]:
         """Start or renew the leases of a step's requests and note which blocks each
@@ -306,6 +316,7 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity):
                 # An alive producer stops at its next layer (it checks its channel before
                 # each write); what it handed to the transport before may still land.
                 self._give_up_locked(req_id, after_grant=False)
+        self._drop_held_begins(session)
         if self._staging is not None and session.producer is not None:
             self._staging.release(session.producer)
 

@@ -100,6 +100,7 @@ class ConsumerFence:
         """Control server thread, every tick: give up on expired leases, report revoked
         requests whose fence ended, and ask producers to stop revoked requests (sent
         outside the ledger lock: a failed send drops the session, which takes it)."""
+        self._answer_held_begins()
         now = time.monotonic()
         revokes = []
         with self._ledger.lock:

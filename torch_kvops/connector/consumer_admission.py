@@ -1,0 +1,89 @@
+"""The consumer's admission of ``begin``: which requests a producer may start writing.
+
+By default (``ConnectorConfig.begin_waits_for_expect_s`` None) a ``begin`` may start a
+request the consumer was never told to expect, for callers that skip ``expect()``. A
+consumer whose engine expects every request it receives (the vLLM integration) sets
+it: a begin naming a request nobody expected is then not answered until ``expect()``
+names it (the engine learns of a request it asked for a little after its producer
+may: a post travels faster than the engine's next step), at most that long, and a
+request still unknown then is rejected, so its producer writes nothing. Without it,
+a producer with a stale or wrong id would write into blocks the engine gave to some
+other request. Every wait here is on the control thread's tick; the producer waits
+for the answer (its own timeout, ``transfer_timeout_s``, must be longer).
+
+A part of :class:`~torch_kvops.connector.consumer.ConsumerSide`, kept apart because it
+is one job: it reads the request table (``_incoming``, under the ledger lock) and
+answers through ConsumerSide's ``_answer_begin``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Dict, List, Tuple
+
+from ..control import Session
+from .config import ConnectorConfig
+from .ledger import ConnectorStats, RequestLedger
+
+if TYPE_CHECKING:
+    from .consumer import _Incoming
+
+log = logging.getLogger(__name__)
+
+
+class BeginAdmission:
+    """Held begins for requests not yet expected (mixed into ConsumerSide)."""
+
+    # set by ConsumerSide.__init__
+    _config: ConnectorConfig
+    _ledger: RequestLedger
+    _stats: ConnectorStats
+    _incoming: Dict[str, "_Incoming"]
+    _held_begins: List[Tuple[float, dict, Session]]
+
+    def _answer_begin(self, message: dict, session: Session, unexpected: List[str]) -> None:
+        raise NotImplementedError  # ConsumerSide's
+
+    def _unexpected_locked(self, message: dict) -> List[str]:
+        """The requests of a begin that nobody expected and that never ended here."""
+        return [str(r) for r in message["reqs"]
+                if str(r) not in self._incoming and not self._ledger.was_reported_locked(str(r))]
+
+    def _admit_begin(self, message: dict, session: Session) -> None:
+        """Answer a begin now, or hold it while it names requests not yet expected."""
+        if self._config.begin_waits_for_expect_s is None:
+            self._answer_begin(message, session, [])
+            return
+        with self._ledger.lock:
+            waiting = bool(self._unexpected_locked(message))
+            if waiting:
+                self._held_begins.append((time.monotonic() + self._config.begin_waits_for_expect_s,
+                                          message, session))
+        if not waiting:
+            self._answer_begin(message, session, [])
+
+    def _answer_held_begins(self) -> None:
+        """Control thread, every tick: answer each held begin whose requests are all
+        expected now, or whose wait ended (rejecting those still unknown)."""
+        if not self._held_begins:
+            return
+        now, ready = time.monotonic(), []
+        with self._ledger.lock:
+            held, self._held_begins = self._held_begins, []
+            for deadline, message, session in held:
+                unexpected = self._unexpected_locked(message)
+                if unexpected and deadline > now:
+                    self._held_begins.append((deadline, message, session))
+                else:
+                    ready.append((message, session, unexpected))
+        for message, session, unexpected in ready:
+            if unexpected:
+                log.warning("producer %s: begin for %s, which this consumer never expected: "
+                            "rejected", session.producer, sorted(unexpected))
+                self._stats.add(failed_begin_unexpected=len(unexpected))
+            self._answer_begin(message, session, unexpected)
+
+    def _drop_held_begins(self, session: Session) -> None:
+        """The session ended: nobody waits for its held begins."""
+        with self._ledger.lock:
+            self._held_begins = [h for h in self._held_begins if h[2] is not session]
