@@ -14,6 +14,7 @@ import torch
 
 from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
 from torch_kvops.testing.consumer_process import ConsumerProcess
+from torch_kvops.testing.pushes import push_step
 
 LAYERS, BLOCKS, BLOCK_SHAPE = 2, 16, (2, 4, 16)
 FAST = dict(transfer_timeout_s=3.0, max_retries=1, lease_s=10.0, control_timeout_s=2.0, quarantine_s=0.1)
@@ -29,13 +30,6 @@ def producer():
     yield conn, caches
     conn.close()
     transport.close()
-
-
-def _push(conn, caches, req):
-    conn.start_step([req])
-    for layer, cache in enumerate(caches):
-        conn.save_kv_layer(layer, cache)
-    conn.wait_for_save(timeout=30)
 
 
 def _outcome(conn, req_id, timeout=10.0):
@@ -55,7 +49,7 @@ def test_a_begin_for_a_request_nobody_expected_writes_nothing(producer, wait_s):
     try:
         peer = conn.add_peer(consumer.info)
         started = time.monotonic()
-        _push(conn, caches, TransferRequest("stranger", peer, [1, 2], [5, 6]))
+        push_step(conn, caches, [TransferRequest("stranger", peer, [1, 2], [5, 6])])
         ok = _outcome(conn, "stranger")
         received = consumer.call("caches")
         landed = [bool((received[layer][[5, 6]] != UNTOUCHED).any()) for layer in range(LAYERS)]

@@ -12,6 +12,7 @@ from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, 
 from torch_kvops.control import (MAX_HANDSHAKE_LINE, MAX_PENDING_HANDSHAKES, ControlClient,
                                  ControlServer, new_secret, proof)
 from torch_kvops.testing.consumer_process import ConsumerProcess
+from torch_kvops.testing.pushes import push_step
 
 LAYERS, BLOCKS, BLOCK_SHAPE = 2, 32, (2, 8, 16)  # 1 KiB blocks
 FAST = dict(transfer_timeout_s=3.0, max_retries=1, retry_backoff_s=0.02, lease_s=10.0,
@@ -39,13 +40,6 @@ def producer():
     yield conn, caches
     conn.close()
     transport.close()
-
-
-def push(conn, caches, requests, timeout=30):
-    conn.start_step(requests)
-    for layer, cache in enumerate(caches):
-        conn.save_kv_layer(layer, cache)
-    conn.wait_for_save(timeout=timeout)
 
 
 def address(info):
@@ -109,7 +103,7 @@ def test_outsider_knowing_only_the_port_cannot_finish_a_request(consumer, produc
 
     conn, caches = producer
     peer = conn.add_peer(consumer.info)
-    push(conn, caches, [TransferRequest("victim", peer, [3, 4], [7, 9])])
+    push_step(conn, caches, [TransferRequest("victim", peer, [3, 4], [7, 9])])
     finished, failed, _ = consumer.call("wait", ["victim"], 10.0)
     assert finished == {"victim"} and not failed
     received = consumer.call("caches")
@@ -253,13 +247,13 @@ def test_the_handshake_proofs_are_bound_to_role_nonces_and_producer():
 def test_only_the_session_that_began_a_request_may_end_or_scatter_it(consumer, producer):
     conn, caches = producer
     peer = conn.add_peer(consumer.info)
-    push(conn, caches, [TransferRequest("mine", peer, [1, 2], [20, 21], last_chunk=False)])
+    push_step(conn, caches, [TransferRequest("mine", peer, [1, 2], [20, 21], last_chunk=False)])
 
     # Another producer that knows the secret (a second prefill instance reusing the id).
     other, other_caches, other_transport = make_producer()
     try:
         other_peer = other.add_peer(consumer.info)
-        push(other, other_caches, [TransferRequest("mine", other_peer, [5], [25])])
+        push_step(other, other_caches, [TransferRequest("mine", other_peer, [5], [25])])
         _, failed = collect(other, ["mine"], 5.0)
         assert failed == ["mine"], "its begin is refused: the id belongs to the first producer"
     finally:
@@ -282,7 +276,7 @@ def test_only_the_session_that_began_a_request_may_end_or_scatter_it(consumer, p
     stats = consumer.call("stats")
     assert stats["control_not_owner"] >= 3 and stats["scatter_refused"] == 1
 
-    push(conn, caches, [TransferRequest("mine", peer, [3], [22], last_chunk=True)])
+    push_step(conn, caches, [TransferRequest("mine", peer, [3], [22], last_chunk=True)])
     finished, failed, _ = consumer.call("wait", ["mine"], 10.0)
     assert finished == {"mine"} and not failed
     received = consumer.call("caches")
@@ -302,12 +296,12 @@ def test_later_chunks_of_a_request_to_a_dead_peer_are_not_reported_again():
     doomed = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **FAST)
     try:
         p_alive, p_doomed = conn.add_peer(alive.info), conn.add_peer(doomed.info)
-        push(conn, caches, [TransferRequest("c", p_doomed, [0], [0], last_chunk=False),
+        push_step(conn, caches, [TransferRequest("c", p_doomed, [0], [0], last_chunk=False),
                             TransferRequest("k", p_alive, [0], [0], last_chunk=False)])
         doomed.kill()
-        push(conn, caches, [TransferRequest("c", p_doomed, [1], [1], last_chunk=False),
+        push_step(conn, caches, [TransferRequest("c", p_doomed, [1], [1], last_chunk=False),
                             TransferRequest("k", p_alive, [1], [1], last_chunk=False)])
-        push(conn, caches, [TransferRequest("c", p_doomed, [2], [2], last_chunk=True),
+        push_step(conn, caches, [TransferRequest("c", p_doomed, [2], [2], last_chunk=True),
                             TransferRequest("k", p_alive, [2], [2], last_chunk=True)])
         finished, failed = collect(conn, ["c", "k"], 10.0)
         time.sleep(1.6)  # anything still quarantined comes out now

@@ -14,6 +14,7 @@ import pytest
 
 from torch_kvops.integrations.vllm.metadata import KvopsSettings
 from torch_kvops.integrations.vllm.side_channel import (BootstrapServer, DestinationPoster,
+from torch_kvops.testing.pushes import push_step
                                                         DestinationServer, FleetAuth, TlsFiles,
                                                         load_fleet_key)
 
@@ -579,10 +580,7 @@ def test_with_a_fleet_key_peer_info_carries_no_secret_and_kv_still_moves():
         conns.append(conn)
         peer = conn.add_peer(info)
         consumer.call("expect", ["r"])
-        conn.start_step([TransferRequest("r", peer, [1, 2], [5, 9])])
-        for layer, cache in enumerate(caches):
-            conn.save_kv_layer(layer, cache)
-        conn.wait_for_save(timeout=30)
+        push_step(conn, caches, [TransferRequest("r", peer, [1, 2], [5, 9])])
         finished, failed, _ = consumer.call("wait", ["r"], 10.0)
         assert finished == {"r"} and not failed
         received = consumer.call("caches")
