@@ -62,13 +62,13 @@ class KvopsWorker:
     whole blocks, each prefill rank sending its share of them (tp.py)."""
 
     role = ""  # "producer" (P) or "consumer" (D), set by the subclass
+    kv_cache_layout: Optional[str] = None  # vLLM's, set at registration (kv_layout.py)
 
     def __init__(self, settings: KvopsSettings, num_blocks: int, total_kv_heads: int = 1,
                  tp_rank: int = 0, tp_size: int = 1, latent: bool = False) -> None:
         self.settings, self.num_blocks = settings, num_blocks
         self.total_kv_heads, self.tp_rank, self.tp_size = total_kv_heads, tp_rank, tp_size
         self.latent = latent
-        self.kv_cache_layout: Optional[str] = None  # vLLM's, set at registration (kv_layout.py)
         self.heads = rank_heads(1 if latent else total_kv_heads, tp_size, tp_rank)
         self._by_head = False  # units are heads of blocks (tp.py), else whole blocks
         self.transport = MooncakeTransport(host=settings.data_endpoint().advertise, protocol=settings.protocol,
