@@ -400,3 +400,18 @@ def test_a_silent_prefill_side_renews_for_one_lease_after_its_last_answer_a_gone
         assert sched.poster.counters()["probe_failed"] >= 2
     finally:
         sched.shutdown()
+
+
+def test_a_prefill_instance_with_data_parallelism_is_refused_at_start():
+    """Not supported in this version (docs/vllm.md, limits): refused with the setting
+    named, before any port is bound; a decode instance is not concerned."""
+    from vllm.config import KVTransferConfig, ParallelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from torch_kvops.integrations.vllm import KvopsLayerwiseConnector
+
+    producer = KVTransferConfig(kv_connector="KvopsLayerwiseConnector",
+                                kv_connector_module_path="torch_kvops.integrations.vllm", kv_role="kv_producer")
+    config = VllmConfig(kv_transfer_config=producer, parallel_config=ParallelConfig(data_parallel_size=2))
+    with pytest.raises(ValueError, match="data_parallel_size=2"):
+        KvopsLayerwiseConnector(config, KVConnectorRole.SCHEDULER, None)

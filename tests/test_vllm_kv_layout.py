@@ -82,3 +82,4 @@ def test_a_decode_engine_of_another_layout_fails_that_request_alone():
             worker._plan(push)
     finally:
         worker.close()
+

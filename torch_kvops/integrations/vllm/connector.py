@@ -70,6 +70,12 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
             raise ValueError(f"KvopsLayerwiseConnector needs kv_role kv_producer or kv_consumer, "
                              f"got {kv_role!r}")
         parallel = vllm_config.parallel_config
+        if kv_role == "kv_producer" and parallel.data_parallel_size > 1:
+            # each DP engine core would bind the same side-channel and bootstrap ports,
+            # and /query would list one rank: refused rather than half working
+            raise ValueError(f"KvopsLayerwiseConnector: a prefill instance with data parallelism "
+                             f"(data_parallel_size={parallel.data_parallel_size}) is not supported in "
+                             "this version; run one prefill instance per DP rank behind the router")
         total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         check_tp(total_kv_heads, parallel.tensor_parallel_size, vllm_config.model_config.use_mla,
                  parallel.pipeline_parallel_size)
