@@ -14,9 +14,9 @@ import pytest
 
 from torch_kvops.integrations.vllm.metadata import KvopsSettings
 from torch_kvops.integrations.vllm.side_channel import (BootstrapServer, DestinationPoster,
-from torch_kvops.testing.pushes import push_step
                                                         DestinationServer, FleetAuth, TlsFiles,
                                                         load_fleet_key)
+from torch_kvops.testing.pushes import push_step
 
 KEY = bytes(range(32))
 DEST = {"block_ids": [4, 5], "start_token": 0, "peers": [{"engine_id": "d"}]}

@@ -30,7 +30,9 @@ prefill engine:
 - ``no_fence``: P's side of the fence is off: the sender ignores its write lease and
   the decode side's revokes (docs/connector.md, "The fence");
 - ``skip_last_block``: the worker leaves the last block out of each request's last
-  chunk (a hole in a transfer that reports itself finished).
+  chunk (a hole in a transfer that reports itself finished);
+- ``no_link_release``: the worker never releases a link to a decode instance, failed
+  or idle (integrations/vllm/links.py: P keeps every D it ever had).
 
 In a decode engine:
 
@@ -113,6 +115,15 @@ def install(process_name: str) -> None:
 
     from torch_kvops.connector.peer import PeerLink
 
+    from torch_kvops.integrations.vllm.links import DecodeLinks
+
+    release_idle = DecodeLinks.release_idle
+
+    def sabotaged_release_idle(self):
+        if "no_link_release" not in modes():
+            release_idle(self)
+
+    DecodeLinks.release_idle = sabotaged_release_idle
     write = MooncakeTransport.write
     write_layer = PeerLink.write_layer
     check_write_lease = PeerLink.check_write_lease
