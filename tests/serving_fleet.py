@@ -55,8 +55,7 @@ class Fleet:
     def prompt_tokens(self, source: str) -> float:
         """Prompt tokens of the decode servers so far, by source: ``local_compute`` (D
         computed them) or ``external_kv_transfer`` (they came from P)."""
-        return sum(prometheus.total(self.servers[d].metrics(), "vllm:prompt_tokens_by_source_total",
-                                    source=source) for d in ("D1", "D2"))
+        return sum(prometheus.prompt_tokens(self.servers[d].metrics(), source) for d in ("D1", "D2"))
 
     def counter(self, name: str, metric: str, **labels: str) -> float:
         return prometheus.total(self.servers[name].metrics(), metric, **labels)
@@ -81,20 +80,30 @@ class Fleet:
 
 
 @contextlib.contextmanager
-def started_fleet() -> Iterator[Fleet]:
-    """Start the fleet, yield it, stop every process (the logs stay, for a failure's
-    reader: their folder is printed by the harness)."""
-    tmp = tempfile.TemporaryDirectory(prefix="kvops-serving-load-")
+def workspace(prefix: str) -> Iterator[Tuple[str, str, str, Switch]]:
+    """(a temporary folder, the serving model in it, a log folder, the sabotage
+    switch) for a fleet's test; the folder and the switch go at the end, the logs stay
+    for a failure's reader (the harness prints their folder). Engines started inside
+    inherit the switch's file name."""
+    tmp = tempfile.TemporaryDirectory(prefix=f"{prefix}-")
     model = os.path.join(tmp.name, "model")
     write_serving_model(model)
-    log_dir = tempfile.mkdtemp(prefix="kvops-serving-load-logs-")
-    sabotage = Switch(tmp.name)  # the engines started below inherit its file's name
-    servers = Servers(log_dir)
+    sabotage = Switch(tmp.name)
     try:
-        with servers:
+        yield tmp.name, model, tempfile.mkdtemp(prefix=f"{prefix}-logs-"), sabotage
+    finally:
+        sabotage.close()
+        tmp.cleanup()
+
+
+@contextlib.contextmanager
+def started_fleet() -> Iterator[Fleet]:
+    """Start the fleet, yield it, stop every process."""
+    with workspace("kvops-serving-load") as (tmp, model, log_dir, sabotage):
+        with Servers(log_dir) as servers:
             common = dict(threads=1, shm_busy_loop_s=SPIN_S)
             prefill = [servers.add(ServerSpec(
-                f"P{i}", model, role="prefill", env=serving_env(os.path.join(tmp.name, "plugin"),
+                f"P{i}", model, role="prefill", env=serving_env(os.path.join(tmp, "plugin"),
                                                                 "prefill"),
                 kv_connector_extra_config={"hold_for_decode_s": HOLD_S}, **common)) for i in (1, 2)]
             decode = [servers.add(ServerSpec(f"D{i}", model, role="decode", lease_s=LEASE_S,
@@ -123,9 +132,6 @@ def started_fleet() -> Iterator[Fleet]:
                 client.close()
                 problems = servers.stop_all()
                 assert not problems, problems
-    finally:
-        sabotage.close()
-        tmp.cleanup()
 
 
 def same_answers(got: dict, ref: dict) -> List[int]:

@@ -12,7 +12,7 @@ from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, 
 from torch_kvops.control import (MAX_HANDSHAKE_LINE, MAX_PENDING_HANDSHAKES, ControlClient,
                                  ControlServer, new_secret, proof)
 from torch_kvops.testing.consumer_process import ConsumerProcess
-from torch_kvops.testing.pushes import push_step
+from torch_kvops.testing.pushes import push_and_receive, push_step
 
 LAYERS, BLOCKS, BLOCK_SHAPE = 2, 32, (2, 8, 16)  # 1 KiB blocks
 FAST = dict(transfer_timeout_s=3.0, max_retries=1, retry_backoff_s=0.02, lease_s=10.0,
@@ -103,12 +103,7 @@ def test_outsider_knowing_only_the_port_cannot_finish_a_request(consumer, produc
 
     conn, caches = producer
     peer = conn.add_peer(consumer.info)
-    push_step(conn, caches, [TransferRequest("victim", peer, [3, 4], [7, 9])])
-    finished, failed, _ = consumer.call("wait", ["victim"], 10.0)
-    assert finished == {"victim"} and not failed
-    received = consumer.call("caches")
-    for layer in range(LAYERS):
-        assert np.array_equal(received[layer][[7, 9]], caches[layer][[3, 4]].numpy())
+    push_and_receive(conn, caches, consumer, TransferRequest("victim", peer, [3, 4], [7, 9]))
 
 
 def test_a_producer_with_the_wrong_secret_is_refused(consumer, producer):
@@ -276,10 +271,8 @@ def test_only_the_session_that_began_a_request_may_end_or_scatter_it(consumer, p
     stats = consumer.call("stats")
     assert stats["control_not_owner"] >= 3 and stats["scatter_refused"] == 1
 
-    push_step(conn, caches, [TransferRequest("mine", peer, [3], [22], last_chunk=True)])
-    finished, failed, _ = consumer.call("wait", ["mine"], 10.0)
-    assert finished == {"mine"} and not failed
-    received = consumer.call("caches")
+    received = push_and_receive(conn, caches, consumer,
+                                TransferRequest("mine", peer, [3], [22], last_chunk=True))
     for layer in range(LAYERS):
         assert np.array_equal(received[layer][[20, 21, 22]], caches[layer][[1, 2, 3]].numpy())
         assert (received[layer][25] == -7.0).all(), "the refused producer wrote nothing"

@@ -11,7 +11,7 @@ import torch
 
 from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
 from torch_kvops.testing.consumer_process import ConsumerProcess
-from torch_kvops.testing.pushes import push_step
+from torch_kvops.testing.pushes import push_and_receive
 from torch_kvops.testing.stranger import read_from
 
 import pytest
@@ -50,10 +50,7 @@ def test_a_stranger_cannot_read_the_producer_cache_and_pushes_still_land(expose_
             assert data == bytes(length), "bytes of P's cache reached the stranger"
         # P still pushes from the cache it did not expose
         peer = conn.add_peer(consumer.info)
-        push_step(conn, caches, [TransferRequest("r", peer, [1, 2], [5, 6])])
-        finished, failed, _ = consumer.call("wait", ["r"], 10.0)
-        assert finished == {"r"} and not failed
-        received = consumer.call("caches")
+        received = push_and_receive(conn, caches, consumer, TransferRequest("r", peer, [1, 2], [5, 6]))
         for layer in range(LAYERS):
             assert (received[layer][[5, 6]] == SECRET).all()
     finally:

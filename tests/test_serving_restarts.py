@@ -13,16 +13,16 @@ restarts leave P holding a link per incarnation.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
+from collections import Counter
 
-from serving_fleet import same_answers
+from serving_fleet import SPIN_S, same_answers, workspace
 from torch_kvops.serving import prometheus
 from torch_kvops.serving.load import LoadClient, random_load_args
-from torch_kvops.serving.model import write_serving_model
 from torch_kvops.serving.servers import ProxySpec, Servers, ServerSpec
+from torch_kvops.testing.consumer_process import process_resources
 
-from vllm_sabotage import Switch, serving_env
+from vllm_sabotage import serving_env
 
 RESTARTS = 5
 LOAD = dict(num_prompts=6, input_len=300, range_ratio=0.5, seed=41)  # 150-450 tokens
@@ -30,33 +30,23 @@ LOAD = dict(num_prompts=6, input_len=300, range_ratio=0.5, seed=41)  # 150-450 t
 THREADS_TOLERANCE, FDS_TOLERANCE, RSS_TOLERANCE = 3, 4, 0.15
 
 
-def resources(server) -> dict:
+def resources(server) -> Counter:
     """Threads, open fds and resident KiB summed over a server's processes."""
-    total = {"threads": 0, "fds": 0, "rss_kib": 0}
+    total: Counter = Counter()
     for pid in server.processes():
         try:
-            with open(f"/proc/{pid}/status") as f:
-                status = dict(line.split(":", 1) for line in f if ":" in line)
-            fds = len(os.listdir(f"/proc/{pid}/fd"))
+            total.update(process_resources(pid))
         except (FileNotFoundError, ProcessLookupError):
             continue  # ended meanwhile
-        total["threads"] += int(status["Threads"])
-        total["fds"] += fds
-        total["rss_kib"] += int(status["VmRSS"].split()[0])
     return total
 
 
 def test_a_decode_server_restarted_five_times_under_load_leaves_prefill_flat():
-    tmp = tempfile.TemporaryDirectory(prefix="kvops-restarts-")
-    model = os.path.join(tmp.name, "model")
-    write_serving_model(model)
-    log_dir = tempfile.mkdtemp(prefix="kvops-restarts-logs-")
-    sabotage = Switch(tmp.name)
-    try:
+    with workspace("kvops-restarts") as (tmp, model, log_dir, sabotage):
         with Servers(log_dir) as servers, LoadClient(os.path.join(log_dir, "load.log")) as client:
-            common = dict(threads=1, shm_busy_loop_s=0.002)
+            common = dict(threads=1, shm_busy_loop_s=SPIN_S)
             p = servers.add(ServerSpec("P", model, role="prefill",
-                                       env=serving_env(os.path.join(tmp.name, "plugin"), "prefill"),
+                                       env=serving_env(os.path.join(tmp, "plugin"), "prefill"),
                                        kv_connector_extra_config={"peer_idle_s": 5.0}, **common))
             d = servers.add(ServerSpec("D", model, role="decode", lease_s=10.0, **common))
             servers.add(ServerSpec("ref", model, role="monolithic", **common))
@@ -68,11 +58,11 @@ def test_a_decode_server_restarted_five_times_under_load_leaves_prefill_flat():
             assert not any(ref["errors"]), "the reference failed requests"
 
             def load_moves_every_prompt(round_: str) -> None:
-                before = prompt_tokens(d)
+                before = prometheus.prompt_tokens(d.metrics(), "local_compute")
                 got = client.run(servers["proxy"].url, args)
                 wrong = same_answers(got, ref)
                 assert not wrong, f"{round_}: answers differ from the reference: {wrong}"
-                local = prompt_tokens(d) - before
+                local = prometheus.prompt_tokens(d.metrics(), "local_compute") - before
                 assert local <= LOAD["num_prompts"], f"{round_}: D computed {local} prompt tokens"
 
             def links() -> float:
@@ -104,11 +94,3 @@ def test_a_decode_server_restarted_five_times_under_load_leaves_prefill_flat():
                 sabotage.set()
             problems = servers.stop_all()
             assert not problems, problems
-    finally:
-        sabotage.close()
-        tmp.cleanup()
-
-
-def prompt_tokens(decode) -> float:
-    """D's prompt tokens it computed itself so far."""
-    return prometheus.total(decode.metrics(), "vllm:prompt_tokens_by_source_total", source="local_compute")

@@ -9,14 +9,13 @@ import threading
 import time
 import urllib.request
 
-import numpy as np
 import pytest
 
 from torch_kvops.integrations.vllm.metadata import KvopsSettings
 from torch_kvops.integrations.vllm.side_channel import (BootstrapServer, DestinationPoster,
                                                         DestinationServer, FleetAuth, TlsFiles,
                                                         load_fleet_key)
-from torch_kvops.testing.pushes import push_step
+from torch_kvops.testing.pushes import push_and_receive
 
 KEY = bytes(range(32))
 DEST = {"block_ids": [4, 5], "start_token": 0, "peers": [{"engine_id": "d"}]}
@@ -580,12 +579,7 @@ def test_with_a_fleet_key_peer_info_carries_no_secret_and_kv_still_moves():
         conns.append(conn)
         peer = conn.add_peer(info)
         consumer.call("expect", ["r"])
-        push_step(conn, caches, [TransferRequest("r", peer, [1, 2], [5, 9])])
-        finished, failed, _ = consumer.call("wait", ["r"], 10.0)
-        assert finished == {"r"} and not failed
-        received = consumer.call("caches")
-        for layer in range(2):
-            assert np.array_equal(received[layer][[5, 9]], caches[layer][[1, 2]].numpy())
+        push_and_receive(conn, caches, consumer, TransferRequest("r", peer, [1, 2], [5, 9]))
     finally:
         for conn in conns:
             conn.close()
@@ -651,15 +645,7 @@ def test_control_channel_over_mutual_tls_moves_kv_and_refuses_plain_producers(pk
         peer = conn.add_peer(consumer.info)
         for i, (src, dst) in enumerate([([1, 2], [5, 9]), ([3], [11])]):
             consumer.call("expect", [f"r{i}"])
-            conn.start_step([TransferRequest(f"r{i}", peer, src, dst)])
-            for layer, cache in enumerate(caches):
-                conn.save_kv_layer(layer, cache)
-            conn.wait_for_save(timeout=30)
-            finished, failed, _ = consumer.call("wait", [f"r{i}"], 10.0)
-            assert finished == {f"r{i}"} and not failed
-            received = consumer.call("caches")
-            for layer in range(2):
-                assert np.array_equal(received[layer][dst], caches[layer][src].numpy())
+            push_and_receive(conn, caches, consumer, TransferRequest(f"r{i}", peer, src, dst))
     finally:
         for conn in conns:
             conn.close()

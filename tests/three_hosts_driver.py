@@ -12,7 +12,7 @@ import json
 import os
 import tempfile
 
-from serving_fleet import same_answers
+from serving_fleet import SPIN_S, same_answers
 from torch_kvops.serving import prometheus
 from torch_kvops.serving.load import LoadClient, random_load_args
 from torch_kvops.serving.model import write_serving_model
@@ -23,33 +23,24 @@ LEASE_S = 6.0  # D recomputes a transfer that never comes after this
 API_PORT = 8000  # each host has its own ports
 
 
-def prompt_tokens(decode, source: str) -> float:
-    return prometheus.total(decode.metrics(), "vllm:prompt_tokens_by_source_total", source=source)
-
-
-def phase(servers: Servers, client: LoadClient, model: str, ref: dict) -> dict:
+def phase(servers: Servers, client: LoadClient, load: list, ref: dict) -> dict:
     decode = servers["D"]
-    before = {s: prompt_tokens(decode, s) for s in ("local_compute", "external_kv_transfer")}
-    got = client.run(servers["router"].url, random_load_args(model=model, output_len=4,
-                                                             max_concurrency=4, **LOAD))
+    before = {s: prometheus.prompt_tokens(decode.metrics(), s) for s in ("local_compute", "external_kv_transfer")}
+    got = client.run(servers["router"].url, load)
     return {"wrong": same_answers(got, ref), "completed": got["completed"],
             "prompt_tokens": sum(got["input_lens"]), "requests": LOAD["num_prompts"],
-            **{s: prompt_tokens(decode, s) - before[s] for s in before}}
+            **{s: prometheus.prompt_tokens(decode.metrics(), s) - before[s] for s in before}}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    for name in ("prefill-ns", "prefill-addr", "decode-ns", "decode-addr", "client-addr", "out",
-                 "log-dir"):
-        parser.add_argument(f"--{name}", required=True)
-    args = parser.parse_args()
-    work = tempfile.mkdtemp(prefix="kvops-three-hosts-")
+def run(args, work: str) -> dict:
+    """Start the fleet in the emulated hosts (the model and fleet key in ``work``), run
+    both phases, stop it; what each phase saw."""
     model = os.path.join(work, "model")
     write_serving_model(model)
     key_file = os.path.join(work, "fleet.key")
     with open(os.open(key_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
         f.write(os.urandom(32).hex())
-    same = dict(threads=1, shm_busy_loop_s=0.002, default_addresses=True,
+    same = dict(threads=1, shm_busy_loop_s=SPIN_S, default_addresses=True,
                 kv_connector_extra_config={"fleet_key_file": key_file})
     results = {}
     with Servers(args.log_dir) as servers:
@@ -58,19 +49,30 @@ def main() -> None:
         d = servers.add(ServerSpec("D", model, role="decode", host=args.decode_addr, port=API_PORT,
                                    netns=args.decode_ns, lease_s=LEASE_S, **same))
         servers.add(ServerSpec("ref", model, role="monolithic", host=args.client_addr, threads=1,
-                               shm_busy_loop_s=0.002))
+                               shm_busy_loop_s=SPIN_S))
         servers.add(RouterSpec("router", [p], [d], host=args.client_addr))
         servers.start_all(900)
         with LoadClient(os.path.join(args.log_dir, "load.log")) as client:
-            ref = client.run(servers["ref"].url, random_load_args(model=model, output_len=4,
-                                                                  max_concurrency=4, **LOAD))
+            load = random_load_args(model=model, output_len=4, max_concurrency=4, **LOAD)
+            ref = client.run(servers["ref"].url, load)
             assert not any(ref["errors"]), "the reference failed requests"
-            results["deploy"] = phase(servers, client, model, ref)
+            results["deploy"] = phase(servers, client, load, ref)
             d.spec.env["VLLM_HOST_IP"] = "127.0.0.1"
             servers.restart("D", 900)
-            results["control"] = phase(servers, client, model, ref)
+            results["control"] = phase(servers, client, load, ref)
         problems = servers.stop_all()
         results["stop_problems"] = problems
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("prefill-ns", "prefill-addr", "decode-ns", "decode-addr", "client-addr", "out",
+                 "log-dir"):
+        parser.add_argument(f"--{name}", required=True)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kvops-three-hosts-") as work:
+        results = run(args, work)
     with open(args.out, "w") as f:
         json.dump(results, f)
 

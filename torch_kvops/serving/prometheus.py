@@ -50,6 +50,12 @@ def total(samples: Samples, name: str, **labels: str) -> float:
     return sum(v for (n, pairs), v in samples.items() if n == name and want <= set(pairs))
 
 
+def prompt_tokens(samples: Samples, source: str) -> float:
+    """An engine's prompt tokens so far by ``source``: ``local_compute`` (it computed
+    them) or ``external_kv_transfer`` (their KV came from another engine)."""
+    return total(samples, "vllm:prompt_tokens_by_source_total", source=source)
+
+
 def find(samples: Samples, prefix: str) -> Dict[str, float]:
     """Samples whose name starts with ``prefix``, as ``name{k=v,...}`` -> value (without
     the model_name and engine labels), summed over what those labels told apart."""

@@ -142,12 +142,12 @@ def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, tran
                  "caches": lambda: [c.cpu().numpy().copy() for c in caches]}, close)
 
 
-def process_resources() -> dict:
-    """This process's threads (native ones included), open fds and resident memory,
-    from /proc (Linux): what a leak per step would grow."""
-    with open("/proc/self/status") as f:
+def process_resources(pid: "int | str" = "self") -> dict:
+    """A process's threads (native ones included), open fds and resident memory, from
+    /proc (Linux; this process by default): what a leak per step would grow."""
+    with open(f"/proc/{pid}/status") as f:
         status = dict(line.split(":", 1) for line in f if ":" in line)
-    return {"threads": int(status["Threads"]), "fds": len(os.listdir("/proc/self/fd")),
+    return {"threads": int(status["Threads"]), "fds": len(os.listdir(f"/proc/{pid}/fd")),
             "rss_kib": int(status["VmRSS"].split()[0])}
 
 

@@ -2,8 +2,9 @@
 (the layers' KV is written already), wait for the pushes."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import List, Sequence
 
+import numpy as np
 import torch
 
 
@@ -13,3 +14,18 @@ def push_step(conn, caches: Sequence[torch.Tensor], requests: Sequence, timeout:
     for layer, cache in enumerate(caches):
         conn.save_kv_layer(layer, cache)
     conn.wait_for_save(timeout=timeout)
+
+
+def push_and_receive(conn, caches: Sequence[torch.Tensor], consumer, request,
+                     timeout: float = 10.0) -> List[np.ndarray]:
+    """Push one request in one step to ``consumer`` (a ConsumerProcess), check that the
+    consumer reports it finished and that every layer of its destination blocks holds
+    the source blocks' bytes; returns the consumer's caches for further checks."""
+    push_step(conn, caches, [request])
+    finished, failed, _ = consumer.call("wait", [request.req_id], timeout)
+    assert finished == {request.req_id} and not failed, (finished, failed)
+    received = consumer.call("caches")
+    for layer, cache in enumerate(caches):
+        assert np.array_equal(received[layer][request.dst_blocks], cache[request.src_blocks].numpy()), \
+            f"layer {layer} of {request.req_id} did not land byte-exact"
+    return received
