@@ -16,7 +16,9 @@ import pytest
 from torch_kvops.serving import prometheus
 from torch_kvops.serving.load import LoadClient, LoadError
 from torch_kvops.serving.model import random_prompt, vocabulary, write_serving_model
-from torch_kvops.serving.servers import REAPER, ServerSpec, merged
+from torch_kvops.serving.fronts import ProxySpec
+from torch_kvops.serving.ports import free_port
+from torch_kvops.serving.servers import REAPER, ServerError, Servers, ServerSpec, listens_on, merged
 from torch_kvops.serving.upstreams import Instance, Pool, parse_instances
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,6 +118,28 @@ def test_server_specs_carry_the_connector_settings():
     assert ServerSpec("R", "/m").kv_transfer_config() is None
     assert "--kv-transfer-config" not in ServerSpec("R", "/m").command()
     assert merged({"a": {"b": 1}}, {"a": {"c": 2}}) == {"a": {"b": 1, "c": 2}}
+
+
+def test_ports_are_never_handed_out_twice_and_a_server_is_ready_only_on_its_own_port(tmp_path):
+    """Two servers started together once got one port (two proxies of a fleet): the
+    second died at bind while /health answered from the first, and a test drove the
+    wrong proxy. Ports are handed out once, and readiness asks who listens."""
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    with Servers(str(tmp_path)) as servers:
+        # upstreams that never start: a proxy answers /health without them
+        p = servers.add(ServerSpec("P", "/m", role="prefill", port=free_port(),
+                                   side_channel_port=free_port()))
+        d = servers.add(ServerSpec("D", "/m", role="decode", port=free_port()))
+        first = servers.add(ProxySpec("first", [p], [d]))
+        servers.start(["first"], timeout=120)
+        assert listens_on(first.processes(), first.spec.port)
+        assert not listens_on({os.getpid()}, first.spec.port)  # the check can say no
+        second = servers.add(ProxySpec("second", [p], [d], port=first.spec.port))
+        with pytest.raises(ServerError, match="exited"):
+            servers.start(["second"], timeout=120)
+        assert "address already in use" in second.log_tail()
+        assert first.healthy()
 
 
 # A process tree like a server's: a parent and a grandchild that outlives it by default.

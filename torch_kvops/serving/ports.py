@@ -3,8 +3,16 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
 
 _FIRST = 20000  # below: well-known and registered services, ports engines pick (vLLM kv_port 14579)
+
+# Every port handed out by this process: two servers started together (a fleet's
+# proxies) are each given a port free at that moment, and without this record the same
+# one twice (seen: two proxies on one port, the second dying at bind while /health
+# answered from the first).
+_HANDED_OUT: set = set()
+_LOCK = threading.Lock()
 
 
 def _ephemeral_low() -> int:
@@ -21,17 +29,22 @@ def free_port(host: str = "127.0.0.1") -> int:
     here is bound later by the server it is for, and a port from the ephemeral range
     may meanwhile be handed to any process binding port 0 (seen: a vLLM engine's
     bootstrap endpoint failing with "Address already in use" as its fleet started).
-    Another explicit bind can still take it."""
+    Never the same port twice in one process. Another process's explicit bind can still
+    take it: a server's readiness check asks who listens (``Server.wait_ready``)."""
     low = _ephemeral_low()
     rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(_FIRST, low) if low > _FIRST + 1000 else 0
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
+    with _LOCK:
+        for _ in range(200):
+            port = rng.randrange(_FIRST, low) if low > _FIRST + 1000 else 0
+            if port in _HANDED_OUT:
                 continue
-            return s.getsockname()[1]
-    with socket.socket() as s:  # every try taken: let the kernel choose
-        s.bind((host, 0))
-        return s.getsockname()[1]
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
+        raise OSError(f"no free port on {host} in 200 tries")

@@ -194,6 +194,44 @@ def _http_get(url: str, timeout: float) -> int:
         return resp.status
 
 
+def _listening_inodes(pid: int, port: int) -> Set[str]:
+    """Inodes of the TCP sockets listening on ``port`` in ``pid``'s network namespace."""
+    found = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                next(f)  # the header
+                for line in f:
+                    fields = line.split()
+                    # local address HEX_IP:HEX_PORT, state 0A is LISTEN, inode is field 9
+                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        found.add(fields[9])
+        except (FileNotFoundError, ProcessLookupError, StopIteration):
+            continue
+    return found
+
+
+def listens_on(pids: Set[int], port: int) -> bool:
+    """Whether one of ``pids`` holds a socket listening on ``port`` (in its own network
+    namespace), so that an answer on that port comes from them and not from another
+    server that took the port first."""
+    for pid in pids:
+        wanted = {f"socket:[{inode}]" for inode in _listening_inodes(pid, port)}
+        if not wanted:
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
+                    return True
+            except OSError:
+                continue  # the fd closed while we looked
+    return False
+
+
 class Server:
     """One running (or stopped) API server; create it with :meth:`Servers.add`."""
 
@@ -256,8 +294,9 @@ class Server:
                                              start_new_session=True)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
-        """Wait until GET /health answers 200; raise :class:`ServerError` with the log's
-        tail if the server exits or the timeout passes first."""
+        """Wait until GET /health answers 200 from this server's own processes; raise
+        :class:`ServerError` with the log's tail if the server exits or the timeout
+        passes first."""
         deadline = time.monotonic() + timeout
         while True:
             if not self.alive():
@@ -266,7 +305,9 @@ class Server:
                                   f"log {self.log_path}:\n{self.log_tail()}")
             try:
                 if _http_get(f"{self.url}/health", timeout=5.0) == 200:
-                    return
+                    if listens_on(self.processes(), self.spec.port):
+                        return
+                    # another process holds the port: ours fails at bind and exits
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass  # not listening yet: poll again until the deadline
             if time.monotonic() > deadline:
