@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SOURCES := $(shell find csrc -type f) setup.py
 
-.PHONY: setup setup-vllm vllm-demo build test test-gpu demo bench cuda-check npu-check wheel-check clean
+.PHONY: setup setup-vllm setup-sglang vllm-demo build test test-gpu demo bench cuda-check npu-check wheel-check clean
 
 setup: $(VENV)/.ready
 
@@ -19,11 +19,21 @@ setup-vllm: $(VENV)/.vllm-ready
 $(VENV)/.vllm-ready: $(VENV)/.ready scripts/setup_vllm.sh requirements-vllm.txt constraints-vllm.txt
 	VENV=$(VENV) bash scripts/setup_vllm.sh
 
+# SGLang (~6 GB, torch 2.14.1) in its own environment, with a built copy of torch_kvops:
+# for the SGLang plugin's tests. Rebuilt when the package or the extension changes.
+SGLANG_VENV ?= .venv-sglang
+PACKAGE := $(shell find torch_kvops -name '*.py' -not -path '*/__pycache__/*') pyproject.toml
+
+setup-sglang: $(SGLANG_VENV)/.ready
+
+$(SGLANG_VENV)/.ready: scripts/setup_sglang.sh requirements-sglang.txt $(SOURCES) $(PACKAGE)
+	SGLANG_VENV=$(SGLANG_VENV) bash scripts/setup_sglang.sh
+
 torch_kvops/.built: $(SOURCES)
 	MAX_JOBS=2 $(PY) setup.py -q build_ext --inplace
 	touch $@
 
-test: build setup-vllm
+test: build setup-vllm setup-sglang
 	$(PY) -m pytest -q tests
 
 # GPU-only tests; run where a CUDA device exists (not in CI: CI has no GPU).

@@ -17,8 +17,8 @@ from torch_kvops.serving import prometheus
 from torch_kvops.serving.load import LoadClient, LoadError
 from torch_kvops.serving.model import random_prompt, vocabulary, write_serving_model
 from torch_kvops.serving.fronts import ProxySpec
-from torch_kvops.serving.ports import free_port
-from torch_kvops.serving.servers import REAPER, ServerError, Servers, ServerSpec, listens_on, merged
+from torch_kvops.serving.ports import free_port, listens_on
+from torch_kvops.serving.servers import REAPER, ServerError, Servers, ServerSpec, merged
 from torch_kvops.serving.upstreams import Instance, Pool, parse_instances
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -85,14 +85,21 @@ def serving_env(directory: str, role: str) -> dict:
     installs this module through vLLM's ``vllm.general_plugins`` entry point group: a
     distribution's metadata in ``directory``, which goes on PYTHONPATH with this file's
     folder. The test's :class:`Switch` names the modes file (KVOPS_SABOTAGE_FILE)."""
+    return dict(plugin_env(directory, "vllm.general_plugins", "vllm_sabotage:install_serving"),
+                KVOPS_SABOTAGE_ROLE=role)
+
+
+def plugin_env(directory: str, group: str, target: str) -> dict:
+    """Environment that makes an engine load ``target`` (``module:function`` in this
+    folder) as a plugin of entry point ``group``: a distribution's metadata written
+    into ``directory``, which goes on PYTHONPATH with this file's folder."""
     info = os.path.join(directory, "kvops_test_sabotage-0.dist-info")
     os.makedirs(info, exist_ok=True)
     with open(os.path.join(info, "METADATA"), "w") as f:
         f.write("Metadata-Version: 2.1\nName: kvops-test-sabotage\nVersion: 0\n")
     with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write("[vllm.general_plugins]\nkvops_test_sabotage = vllm_sabotage:install_serving\n")
-    return {"PYTHONPATH": os.pathsep.join([directory, os.path.dirname(os.path.abspath(__file__))]),
-            "KVOPS_SABOTAGE_ROLE": role}
+        f.write(f"[{group}]\nkvops_test_sabotage = {target}\n")
+    return {"PYTHONPATH": os.pathsep.join([directory, os.path.dirname(os.path.abspath(__file__))])}
 
 
 def install_serving() -> None:

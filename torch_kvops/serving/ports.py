@@ -1,9 +1,11 @@
 """Free local ports for the servers and front ends the harness starts."""
 from __future__ import annotations
 
+import os
 import random
 import socket
 import threading
+from typing import Set
 
 _FIRST = 20000  # below: well-known and registered services, ports engines pick (vLLM kv_port 14579)
 
@@ -48,3 +50,41 @@ def free_port(host: str = "127.0.0.1") -> int:
                 _HANDED_OUT.add(port)
                 return port
         raise OSError(f"no free port on {host} in 200 tries")
+
+
+def _listening_inodes(pid: int, port: int) -> Set[str]:
+    """Inodes of the TCP sockets listening on ``port`` in ``pid``'s network namespace."""
+    found = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                next(f)  # the header
+                for line in f:
+                    fields = line.split()
+                    # local address HEX_IP:HEX_PORT, state 0A is LISTEN, inode is field 9
+                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        found.add(fields[9])
+        except (FileNotFoundError, ProcessLookupError, StopIteration):
+            continue
+    return found
+
+
+def listens_on(pids: Set[int], port: int) -> bool:
+    """Whether one of ``pids`` holds a socket listening on ``port`` (in its own network
+    namespace), so that an answer on that port comes from them and not from another
+    server that took the port first."""
+    for pid in pids:
+        wanted = {f"socket:[{inode}]" for inode in _listening_inodes(pid, port)}
+        if not wanted:
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
+                    return True
+            except OSError:
+                continue  # the fd closed while we looked
+    return False

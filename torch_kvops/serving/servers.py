@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Set
 
 from . import prometheus
 from .fronts import ProxySpec, ReplicaRouterSpec, RouterSpec
-from .ports import free_port
+from .ports import free_port, listens_on
 from .reaper import descendants_and_group
 
 __all__ = ["CONNECTOR", "REAPER", "ROLES", "ProxySpec", "ReplicaRouterSpec", "RouterSpec", "Server",
@@ -192,44 +192,6 @@ def _http_get(url: str, timeout: float) -> int:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         resp.read()
         return resp.status
-
-
-def _listening_inodes(pid: int, port: int) -> Set[str]:
-    """Inodes of the TCP sockets listening on ``port`` in ``pid``'s network namespace."""
-    found = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/{pid}/net/{table}") as f:
-                next(f)  # the header
-                for line in f:
-                    fields = line.split()
-                    # local address HEX_IP:HEX_PORT, state 0A is LISTEN, inode is field 9
-                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                        found.add(fields[9])
-        except (FileNotFoundError, ProcessLookupError, StopIteration):
-            continue
-    return found
-
-
-def listens_on(pids: Set[int], port: int) -> bool:
-    """Whether one of ``pids`` holds a socket listening on ``port`` (in its own network
-    namespace), so that an answer on that port comes from them and not from another
-    server that took the port first."""
-    for pid in pids:
-        wanted = {f"socket:[{inode}]" for inode in _listening_inodes(pid, port)}
-        if not wanted:
-            continue
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
-                    return True
-            except OSError:
-                continue  # the fd closed while we looked
-    return False
 
 
 class Server:

@@ -1,0 +1,53 @@
+"""Fault injection for the SGLang tests, loaded by the SGLang servers of a test as an
+SGLang general plugin (``sglang.srt.plugins``; :func:`serving_env`), never part of the
+product. Modes, read from the file ``KVOPS_SABOTAGE_FILE`` names at every push (the
+test's ``vllm_sabotage.Switch`` writes it), in the prefill server:
+
+- ``misplace``: each push is handed the room's destination pages moved past its own
+  (wrong page ids in the plan: the bytes land in pages of other requests, or free
+  ones, and the room's pages keep what they held). A permutation of the room's own
+  pages would be no control: attention over a prompt's keys ignores their order
+  (positions are in the keys).
+- ``drop``: the transport reports every write done and moves no byte.
+"""
+import os
+
+from vllm_sabotage import modes, plugin_env
+
+STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_standin")
+
+
+def serving_env(directory: str) -> dict:
+    """Environment of an SGLang server: this module as a plugin, and the test-only
+    stand-in for sgl_kernel's CPU kernels (tests/sglang_standin) on PYTHONPATH."""
+    env = plugin_env(directory, "sglang.srt.plugins", "sglang_sabotage:install")
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], STANDIN])
+    return env
+
+
+def install() -> None:
+    import numpy as np
+
+    from torch_kvops.integrations.sglang.manager import KvopsKVManager
+    from torch_kvops.transports.mooncake import MooncakeTransport
+
+    run = KvopsKVManager._run
+
+    def sabotaged_run(self, batch):
+        if "misplace" in modes():
+            for room in {item[1] for item in batch if item[0] == "push"}:
+                for session, dest in list((self.transfer_infos.get(room) or {}).items()):
+                    if dest is not None:
+                        self.transfer_infos[room][session] = type(dest)(
+                            dest.peer, dest.endpoint, dest.pages + len(dest.pages), dest.aux_index)
+        run(self, batch)
+
+    KvopsKVManager._run = sabotaged_run
+    write = MooncakeTransport.write
+
+    def sabotaged_write(self, peer, src, dst, lengths, **kwargs):
+        if "drop" in modes():
+            return None
+        return write(self, peer, src, dst, lengths, **kwargs)
+
+    MooncakeTransport.write = sabotaged_write

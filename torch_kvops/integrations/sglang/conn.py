@@ -1,0 +1,51 @@
+"""The ``kvops`` backend's classes as SGLang's ``get_kv_class`` hands them out: the
+manager (:mod:`.manager`), and sender, receiver and bootstrap server on SGLang's
+common ones, changed only where a room's end must wait for the connector."""
+from __future__ import annotations
+
+from . import internals as sgl
+from .manager import KvopsKVManager
+
+__all__ = ["KvopsKVBootstrapServer", "KvopsKVManager", "KvopsKVReceiver", "KvopsKVSender"]
+
+
+class KvopsKVSender(sgl.CommonKVSender):
+    """Prefill side of one room. An abort stops the room's push first: its pages go
+    back to SGLang (Failed) only when the connector says nothing reads them."""
+
+    def abort(self) -> None:
+        if self.conclude_state is None:
+            self.kv_mgr.abort_room(self.bootstrap_room, "aborted by the prefill engine")
+
+
+class KvopsKVReceiver(sgl.CommonKVReceiver):
+    """Decode side of one room. Once its destination went out, the room ends only
+    with the connector's outcome: SGLang's own waiting timeout and an abort do not
+    hand its pages back while the prefill may still write them."""
+
+    def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None,
+                      *args, **kwargs) -> None:
+        self.kv_mgr.expect(self.bootstrap_room, aux_index)
+        self._kvops_expected = True
+        super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, *args, **kwargs)
+
+    def _check_waiting_timeout(self):
+        if getattr(self, "_kvops_expected", False):
+            return None  # the connector's lease and max wait bound it
+        return super()._check_waiting_timeout()
+
+    def abort(self) -> None:
+        if not getattr(self, "_kvops_expected", False) or self.conclude_state is not None:
+            super().abort()
+            return
+        self.ensure_abort_notified()  # the prefill stops pushing the room
+        self.kv_mgr.give_up(self.bootstrap_room)
+
+    def clear(self) -> None:
+        super().clear()
+        self.kv_mgr.forget(self.bootstrap_room)
+
+
+class KvopsKVBootstrapServer(sgl.CommonKVBootstrapServer):
+    """SGLang's bootstrap server, unchanged: prefill ranks register there, decode
+    ranks look them up."""

@@ -1,0 +1,87 @@
+"""Every SGLang name the ``kvops`` backend relies on, in one place, read from SGLang
+0.5.23 (``disaggregation/base/conn.py``, ``common/conn.py``, ``common/utils.py``,
+``utils.py``, ``arg_groups/choices.py``, ``plugins/hook_registry.py``).
+
+:func:`check` compares the installed SGLang with what was read: the version, and the
+signatures of the methods the backend overrides or calls. It runs when the plugin
+installs the backend, so a changed SGLang fails loudly at start-up, not in a transfer.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Dict, List
+
+import sglang
+from sglang.srt.arg_groups.choices import (DISAGG_TRANSFER_BACKEND_CHOICES,
+                                           add_disagg_transfer_backend_choices)
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.common.conn import (ABORT_TAG, AbortNotification,
+                                                   CommonKVBootstrapServer, CommonKVManager,
+                                                   CommonKVReceiver, CommonKVSender)
+from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+READ_FROM = "0.5.23"
+
+__all__ = ["ABORT_TAG", "AbortNotification", "CommonKVBootstrapServer", "CommonKVManager",
+           "CommonKVReceiver", "CommonKVSender", "DISAGG_TRANSFER_BACKEND_CHOICES",
+           "DisaggregationMode", "HookRegistry", "HookType", "KVArgs", "KVClassType", "KVPoll",
+           "TransferBackend", "add_disagg_transfer_backend_choices", "check", "READ_FROM"]
+
+# method -> the parameters (in order, after self) the backend passes or receives
+SIGNATURES: Dict[str, List[str]] = {
+    "CommonKVManager.__init__": ["args", "disaggregation_mode", "server_args", "is_mla_backend"],
+    "CommonKVManager.update_status": ["bootstrap_room", "status"],
+    "CommonKVManager.check_status": ["bootstrap_room"],
+    "CommonKVManager.record_failure": ["bootstrap_room", "failure_reason"],
+    "CommonKVManager._make_worker_recv": ["socket", "timeout_ms"],
+    "CommonKVManager._send_multipart_locked": ["endpoint", "parts", "is_ipv6"],
+    "CommonKVManager.build_receiver_registration_message": [],
+    "CommonKVManager.build_receiver_metadata_message": [
+        "bootstrap_room", "required_dst_info_num", "kv_indices", "aux_index", "state_indices",
+        "decode_prefix_len", "is_dummy", "device_kv_indices"],
+    "CommonKVSender.send": ["kv_indices", "state_indices", "num_kv_tokens", "indices_event"],
+    "CommonKVSender.abort": [],
+    "CommonKVSender.poll": [],
+    "CommonKVReceiver.send_metadata": ["kv_indices", "aux_index", "state_indices",
+                                       "decode_prefix_len", "destination", "device_kv_indices"],
+    "CommonKVReceiver.abort": [],
+    "CommonKVReceiver.poll": [],
+    "CommonKVReceiver.ensure_abort_notified": ["force_arm"],
+}
+# attributes of a CommonKVManager instance the backend reads
+MANAGER_ATTRIBUTES = ("kv_args", "local_ip", "rank_port", "server_socket", "request_status",
+                      "transfer_infos", "req_to_decode_prefix_len", "attn_tp_size")
+# KVPoll values the backend reports
+POLL_STATES = ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")
+
+
+def check() -> None:
+    """Raise RuntimeError naming every difference between the installed SGLang and
+    what this backend was written against."""
+    problems = []
+    if sglang.__version__ != READ_FROM:
+        problems.append(f"SGLang {sglang.__version__} is installed; the kvops backend was read "
+                        f"from {READ_FROM}")
+    classes = {"CommonKVManager": CommonKVManager, "CommonKVSender": CommonKVSender,
+               "CommonKVReceiver": CommonKVReceiver}
+    for name, expected in SIGNATURES.items():
+        owner, method = name.split(".")
+        fn = getattr(classes[owner], method, None)
+        if fn is None:
+            problems.append(f"{name} is gone")
+            continue
+        params = [p for p in inspect.signature(fn).parameters if p != "self"]
+        if params[:len(expected)] != expected:
+            problems.append(f"{name}{tuple(params)} differs from the {tuple(expected)} read")
+    for state in POLL_STATES:
+        if not hasattr(KVPoll, state):
+            problems.append(f"KVPoll.{state} is gone")
+    for member in ("MANAGER", "SENDER", "RECEIVER", "BOOTSTRAP_SERVER", "KVARGS"):
+        if not hasattr(KVClassType, member):
+            problems.append(f"KVClassType.{member} is gone")
+    if not isinstance(DISAGG_TRANSFER_BACKEND_CHOICES, list):
+        problems.append("DISAGG_TRANSFER_BACKEND_CHOICES is no longer a list")
+    if problems:
+        raise RuntimeError("the kvops SGLang backend does not match this SGLang: "
+                           + "; ".join(problems))

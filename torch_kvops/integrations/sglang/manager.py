@@ -1,0 +1,305 @@
+"""``KvopsKVManager``: one per SGLang scheduler process, both roles.
+
+SGLang's common layer (``CommonKVManager``) keeps what every backend shares: the
+bootstrap server registration, each rank's ZMQ socket, the decode -> prefill
+destination messages, and the per-room status that SGLang's senders and receivers
+poll. This manager moves the KV with this package's :class:`LayerwiseConnector` over
+Mooncake (one protocol with the vLLM adapter: control channel, leases, the fence) and
+sets a room's status only from the connector's outcomes:
+
+- prefill: a room is Success when the connector reports every byte landed (its pages
+  may be freed), Failed when it reports it failed;
+- decode: a room is Success when every byte landed and its metadata row (first token,
+  room) arrived, Failed when the connector reports it failed, which it does only once
+  no write of the prefill can land any more (the fence).
+
+What runs where: SGLang's scheduler thread calls ``add_transfer_request`` (queues);
+``kvops-sglang-push`` sends metadata rows and runs connector steps; ``kvops-sglang-recv``
+reads this rank's ZMQ socket; ``kvops-sglang-outcome`` turns connector outcomes into
+room statuses. Threads are daemons, as SGLang's own backends' are: they live as long
+as the scheduler process.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Set, Tuple
+
+import numpy as np
+import zmq
+
+from ...connector import LayerwiseConnector
+from ...plan import TransferRequest
+from ...transports import MooncakeTransport, TransportError
+from . import internals as sgl
+from .pages import page_views, read_rows, write_rows
+from .settings import KvopsSglangSettings
+
+log = logging.getLogger(__name__)
+
+REGISTRATION = b"None"  # first frame of a decode rank's registration (SGLang's convention)
+METADATA_ROW = b"KVOPS_AUX"  # prefill -> decode: a room's metadata row
+
+
+@dataclass(frozen=True)
+class Destination:
+    """One decode rank's destination of one room."""
+
+    peer: str  # the connector's peer id of that decode rank
+    endpoint: str  # its ZMQ socket
+    pages: np.ndarray  # its page ids for the room, in token order
+    aux_index: int
+
+
+class KvopsKVManager(sgl.CommonKVManager):
+    """See the module docstring."""
+
+    def __init__(self, args, disaggregation_mode, server_args, is_mla_backend: bool = False) -> None:
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        self._check_supported(args, server_args)
+        self.settings = KvopsSglangSettings.from_env()
+        self.prefill = disaggregation_mode == sgl.DisaggregationMode.PREFILL
+        self.caches = page_views(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
+        self.transport = MooncakeTransport(host=self.local_ip, protocol=self.settings.protocol,
+                                           device_name=self.settings.device_name)
+        try:
+            self.conn = LayerwiseConnector("producer" if self.prefill else "consumer",
+                                           self.transport, self.settings.connector_config())
+            self.conn.register_kv_caches(self.caches)
+        except BaseException:
+            self.transport.close()
+            raise
+        self._lock = threading.Lock()
+        self._peers: Dict[str, str] = {}  # prefill: decode session -> connector peer id
+        self._aux_rows: Dict[int, int] = {}  # decode: room -> its metadata row
+        self._landed: Set[int] = set()  # decode: rooms whose KV landed
+        self._rows_in: Set[int] = set()  # decode: rooms whose metadata row landed
+        self._aborted: Set[int] = set()  # decode: rooms the engine gave up on
+        self._pushes: "queue.Queue[tuple]" = queue.Queue()
+        threads = [("recv", self._recv_loop), ("outcome", self._outcome_loop)]
+        if self.prefill:
+            threads.append(("push", self._push_loop))
+        for name, target in threads:
+            threading.Thread(target=target, name=f"kvops-sglang-{name}", daemon=True).start()
+        log.info("kvops %s rank %s: %d KV buffers of %d pages", "prefill" if self.prefill
+                 else "decode", self.kv_args.engine_rank, len(self.caches), self.caches[0].size(0))
+
+    @staticmethod
+    def _check_supported(args, server_args) -> None:
+        """What this backend does not move yet fails at start-up, not in a transfer."""
+        missing = []
+        if str(getattr(server_args, "device", "cpu")) != "cpu":
+            missing.append(f"device {server_args.device!r} (host KV caches only so far)")
+        if getattr(args, "num_draft_entries", 0):
+            missing.append("speculative decoding's draft KV")
+        if getattr(args, "state_types", None):
+            missing.append(f"state pools {args.state_types}")
+        if getattr(server_args, "tp_size", 1) != 1:
+            missing.append("tensor parallelism")
+        if missing:
+            raise NotImplementedError("the kvops SGLang backend does not support "
+                                      + ", ".join(missing) + " yet")
+
+    # ------------------------------------------------------------- decode -> prefill
+
+    def build_receiver_registration_message(self) -> List[bytes]:
+        info = self.conn.peer_info()
+        return [REGISTRATION, self.local_ip.encode(), str(self.rank_port).encode(),
+                info["engine_id"].encode(), json.dumps(info).encode()]
+
+    def build_receiver_metadata_message(self, *, bootstrap_room, required_dst_info_num, kv_indices,
+                                        aux_index, state_indices, decode_prefix_len, is_dummy,
+                                        device_kv_indices=None) -> List[bytes]:
+        pages = b"" if is_dummy else np.asarray(kv_indices, dtype=np.int32).tobytes()
+        return [str(bootstrap_room).encode(), self.local_ip.encode(), str(self.rank_port).encode(),
+                self.conn.engine_id.encode(), pages,
+                str(-1 if is_dummy or aux_index is None else aux_index).encode(),
+                str(required_dst_info_num).encode(), str(decode_prefix_len or 0).encode()]
+
+    def _recv_loop(self) -> None:
+        recv = self._make_worker_recv(self.server_socket)
+        handle = self._on_prefill_message if self.prefill else self._on_decode_message
+        while True:
+            msg = recv()
+            if msg is None:
+                continue
+            try:
+                handle(msg)
+            except (ValueError, KeyError, IndexError, UnicodeDecodeError, TransportError) as exc:
+                # a peer's garbage fails that peer's room at most, never this thread
+                log.warning("kvops: a message of %d frames was refused: %s", len(msg), exc)
+
+    def _on_prefill_message(self, msg: List[bytes]) -> None:
+        if msg[0] == sgl.ABORT_TAG:
+            notice = sgl.AbortNotification.from_zmq(msg)
+            if notice is not None:
+                self._pushes.put(("abort", notice.room, "the decode side aborted it"))
+            return
+        if msg[0] == REGISTRATION:
+            session, info = msg[3].decode(), json.loads(msg[4])
+            peer = self.conn.add_peer(info)  # validates the layout against ours
+            with self._lock:
+                self._peers[session] = peer
+            return
+        room, session = int(msg[0]), msg[3].decode()
+        endpoint = f"tcp://{msg[1].decode()}:{int(msg[2])}"
+        required, prefix = int(msg[6]), int(msg[7])
+        with self._lock:
+            peer = self._peers.get(session)
+        infos = self.transfer_infos.setdefault(room, {})
+        if msg[4]:  # a dummy rank (no pages) gets nothing
+            if peer is None:
+                self.record_failure(room, f"decode rank {session} never registered")
+                self.update_status(room, sgl.KVPoll.Failed)
+                return
+            infos[session] = Destination(peer, endpoint, np.frombuffer(msg[4], dtype=np.int32),
+                                         int(msg[5]))
+        else:
+            infos[session] = None
+        if len(infos) == required:
+            self.req_to_decode_prefix_len[room] = prefix
+            self.update_status(room, sgl.KVPoll.WaitingForInput)
+
+    # ------------------------------------------------------------- prefill: pushes
+
+    def add_transfer_request(self, bootstrap_room, kv_indices, index_slice, is_last_chunk,
+                             aux_index=None, state_indices=None, num_kv_tokens=None, *,
+                             wait_event=None, indices_event=None, trace_ctx=None) -> None:
+        """SGLang's scheduler, after a chunk's forward: queue its pages for the push
+        thread (host caches: the forward's writes are done when this is called)."""
+        if self.check_status(bootstrap_room) == sgl.KVPoll.Failed:
+            return
+        self._pushes.put(("push", bootstrap_room, np.asarray(kv_indices, dtype=np.int64),
+                          index_slice, bool(is_last_chunk), aux_index))
+
+    def abort_room(self, room: int, reason: str) -> None:
+        self._pushes.put(("abort", room, reason))
+
+    def _push_loop(self) -> None:
+        while True:
+            batch = [self._pushes.get()]
+            while True:  # one connector step for everything queued
+                try:
+                    batch.append(self._pushes.get_nowait())
+                except queue.Empty:
+                    break
+            self._run(batch)
+
+    def _run(self, batch: List[tuple]) -> None:
+        requests: List[TransferRequest] = []
+        rooms: Set[int] = set()
+        for item in batch:
+            if item[0] == "abort":
+                self._abort(item[1], item[2])
+                continue
+            _, room, pages, index_slice, last, aux_index = item
+            if room in rooms:  # a room's next chunk goes in the next step
+                self._pushes.put(item)
+                continue
+            destinations = [d for d in (self.transfer_infos.get(room) or {}).values() if d]
+            try:
+                for dest in destinations:
+                    if last and aux_index is not None:
+                        rows = read_rows(self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens,
+                                         aux_index)
+                        self._send_multipart_locked(dest.endpoint,
+                                                    [METADATA_ROW, str(room).encode(), *rows])
+            except zmq.ZMQError as exc:
+                self._fail(room, f"the metadata row did not reach the decode side: {exc}")
+                continue
+            requests += [TransferRequest(str(room), dest.peer, pages.tolist(),
+                                         dest.pages[index_slice].tolist(), last_chunk=last)
+                         for dest in destinations]
+            rooms.add(room)
+        if not requests:
+            return
+        try:
+            self.conn.wait_for_save(self.conn.config.step_timeout_s)
+            self.conn.start_step(requests, partial=True)  # a refused one is reported failed
+        except (ValueError, RuntimeError, TimeoutError) as exc:
+            for room in rooms:
+                self._fail(room, f"kvops push not started: {exc}")
+            return
+        for layer, cache in enumerate(self.caches):
+            self.conn.save_kv_layer(layer, cache)
+
+    def _abort(self, room: int, reason: str) -> None:
+        if not self.conn.abort(str(room), reason):  # not in flight: nothing can read its pages
+            self._fail(room, reason)
+
+    # ------------------------------------------------------------- decode side
+
+    def expect(self, room: int, aux_index: int) -> None:
+        """Decode: the engine gave the room its pages and metadata row (before the
+        destination message goes out)."""
+        with self._lock:
+            self._aux_rows[room] = aux_index
+        if not self.conn.expect(str(room)):
+            self._fail(room, f"room {room} was already transferred here once (a room id is "
+                             "used once)")
+
+    def give_up(self, room: int) -> bool:
+        """Decode: the engine aborts the room. Its pages stay out of the engine's hands
+        until the connector's outcome (the prefill is told through SGLang's abort
+        message and stops). True if that outcome is already in: fail it now."""
+        with self._lock:
+            self._aborted.add(room)
+            landed = room in self._landed
+        if landed:
+            self._fail(room, "aborted by the engine")
+        return landed
+
+    def forget(self, room: int) -> None:
+        with self._lock:
+            for table in (self._landed, self._rows_in, self._aborted):
+                table.discard(room)
+            self._aux_rows.pop(room, None)
+
+    def _on_decode_message(self, msg: List[bytes]) -> None:
+        if msg[0] != METADATA_ROW:
+            raise ValueError(f"unexpected message {msg[0][:16]!r}")
+        room = int(msg[1])
+        with self._lock:
+            row = self._aux_rows.get(room)
+            if row is None or room in self._aborted:
+                return  # not (or no longer) waited for: nothing is written
+            write_rows(self.kv_args.aux_data_ptrs, self.kv_args.aux_data_lens,
+                       self.kv_args.aux_item_lens, row, msg[2:])
+            self._rows_in.add(room)
+        self._maybe_done(room)
+
+    def _maybe_done(self, room: int) -> None:
+        with self._lock:
+            ready = room in self._landed and room in self._rows_in
+            aborted = room in self._aborted
+        if aborted and room in self._landed:
+            self._fail(room, "aborted by the engine")
+        elif ready:
+            self.update_status(room, sgl.KVPoll.Success)
+
+    # ------------------------------------------------------------- outcomes
+
+    def _outcome_loop(self) -> None:
+        while True:
+            self.conn.wait_for_finished(0.5)
+            finished, failed = self.conn.get_finished()
+            for req_id in finished:
+                room = int(req_id)
+                if self.prefill:
+                    self.update_status(room, sgl.KVPoll.Success)
+                else:
+                    with self._lock:
+                        self._landed.add(room)
+                    self._maybe_done(room)
+            for req_id in failed:
+                self._fail(int(req_id), "the kvops transfer failed (see the connector's log)")
+
+    def _fail(self, room: int, reason: str) -> None:
+        self.record_failure(room, reason)
+        self.update_status(room, sgl.KVPoll.Failed)
+
+    def stats(self) -> Tuple[dict, int]:
+        return self.conn.stats(), len(self._aux_rows)

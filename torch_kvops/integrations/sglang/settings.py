@@ -1,0 +1,49 @@
+"""The ``kvops`` backend's settings in SGLang, from ``$KVOPS_SGLANG_CONFIG`` (JSON):
+SGLang's command line has no place for a backend's own settings."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict
+
+from ...connector import ConnectorConfig
+
+CONFIG_ENV = "KVOPS_SGLANG_CONFIG"
+
+
+@dataclass(frozen=True)
+class KvopsSglangSettings:
+    """``protocol``/``device_name``: the Mooncake transport's (``tcp``, or ``rdma`` with
+    its device); ``connector``: :class:`~torch_kvops.ConnectorConfig` fields (lease,
+    integrity check, timeouts)."""
+
+    protocol: str = "tcp"
+    device_name: str = ""
+    connector: Dict[str, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def from_env() -> "KvopsSglangSettings":
+        text = os.environ.get(CONFIG_ENV, "").strip()
+        try:
+            raw = json.loads(text) if text else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"${CONFIG_ENV} is not JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ValueError(f"${CONFIG_ENV} must be a JSON object, got {type(raw).__name__}")
+        known = {f.name for f in fields(KvopsSglangSettings)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"${CONFIG_ENV} has unknown settings {unknown}; known: {sorted(known)}")
+        settings = KvopsSglangSettings(**raw)
+        if settings.protocol not in ("tcp", "rdma"):
+            raise ValueError(f"${CONFIG_ENV} protocol {settings.protocol!r} is not 'tcp' or 'rdma'")
+        settings.connector_config()  # unknown or bad connector fields fail at start-up
+        return settings
+
+    def connector_config(self) -> ConnectorConfig:
+        fields_ = dict(self.connector)
+        # D expects every request before P may begin it: a begin ahead of its expect
+        # waits that long, then is refused (connector/consumer_admission.py)
+        fields_.setdefault("begin_waits_for_expect_s", 4.0)
+        return ConnectorConfig(**fields_)
