@@ -26,22 +26,28 @@ def serving_env(directory: str) -> dict:
 
 
 def install() -> None:
-    import numpy as np
-
     from torch_kvops.integrations.sglang.manager import KvopsKVManager
     from torch_kvops.transports.mooncake import MooncakeTransport
 
+    ready_destinations = KvopsKVManager.ready_destinations
     run = KvopsKVManager._run
 
-    def sabotaged_run(self, batch):
+    def moved(dest):
+        return type(dest)(dest.peer, dest.endpoint, dest.pages + len(dest.pages), dest.aux_index)
+
+    def sabotaged_ready_destinations(self, room):  # the push in the forward
+        found = ready_destinations(self, room)
+        return [moved(d) for d in found] if "misplace" in modes() else found
+
+    def sabotaged_run(self, batch):  # the push after the forward
         if "misplace" in modes():
             for room in {item[1] for item in batch if item[0] == "push"}:
                 for session, dest in list((self.transfer_infos.get(room) or {}).items()):
                     if dest is not None:
-                        self.transfer_infos[room][session] = type(dest)(
-                            dest.peer, dest.endpoint, dest.pages + len(dest.pages), dest.aux_index)
+                        self.transfer_infos[room][session] = moved(dest)
         run(self, batch)
 
+    KvopsKVManager.ready_destinations = sabotaged_ready_destinations
     KvopsKVManager._run = sabotaged_run
     write = MooncakeTransport.write
 

@@ -22,6 +22,7 @@ from typing import Dict, List
 
 import pytest
 
+from torch_kvops.serving import prometheus
 from torch_kvops.serving.model import random_prompt
 from torch_kvops.serving.servers import Servers
 from torch_kvops.serving.sglang import SglangRouterSpec, SglangServerSpec, sglang_python
@@ -93,9 +94,24 @@ def _compare(fleet, seed: int, n: int = 8) -> List[int]:
     return differ
 
 
-def test_router_answers_equal_the_monolithic_server(fleet):
+def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_layer_by_layer(fleet):
+    servers = fleet[0]
     assert _compare(fleet, seed=1) == []
     assert _compare(fleet, seed=2) == []  # the pages of the first load are reused
+    p, d = prometheus.fetch(servers["P"].url), prometheus.fetch(servers["D"].url)
+
+    def count(samples, name, **labels):
+        return prometheus.total(samples, f"kvops_sglang_{name}_total", **labels)
+
+    # every chunk left in its forward, layer by layer (SGLang starts a prefill once its
+    # destination is known); none waited for the forward's end
+    assert count(p, "chunks", label="forward") >= 16
+    assert count(p, "chunks", label="after_forward") == 0
+    assert count(p, "rooms", label="success") >= 16 and count(p, "rooms", label="failed") == 0
+    assert count(d, "rooms", label="success") >= 16 and count(d, "rooms", label="failed") == 0
+    layers, early = count(p, "layers"), count(p, "layers_landed_during_forward")
+    print(f"\n[sglang] {early:.0f} of {layers:.0f} pushed layers landed before their forward ended")
+    assert layers > 0 and early > 0
 
 
 @pytest.mark.parametrize("mode", ["misplace", "drop"])
@@ -103,7 +119,9 @@ def test_negative_control_misplaced_or_dropped_kv_changes_the_answers(fleet, mod
     _, _, sabotage = fleet
     sabotage.set(mode)
     try:
-        differ = _compare(fleet, seed=3)
+        # prompts of their own: pages left by an earlier run of the same prompts would
+        # hold the right KV
+        differ = _compare(fleet, seed={"misplace": 3, "drop": 5}[mode])
     finally:
         sabotage.set()
     assert len(differ) >= 6, f"{mode}: only prompts {differ} of 8 answered differently"

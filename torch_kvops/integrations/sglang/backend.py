@@ -19,6 +19,13 @@ def install() -> None:
     _add_enum_member(sgl.TransferBackend)
     sgl.HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", _get_kv_class,
                               sgl.HookType.AROUND)
+    # the layer-wise push (no-ops in a process without a kvops prefill manager)
+    from . import layerwise
+
+    for target, hook, kind in ((sgl.BOOTSTRAP_QUEUE_ADD, layerwise.after_bootstrap_add, "AFTER"),
+                               (sgl.MODEL_FORWARD, layerwise.around_forward, "AROUND"),
+                               (sgl.SET_KV_BUFFER, layerwise.after_set_kv_buffer, "AFTER")):
+        sgl.HookRegistry.register(target, hook, getattr(sgl.HookType, kind))
 
 
 def _add_enum_member(enum_cls) -> None:

@@ -13,9 +13,15 @@ class KvopsKVSender(sgl.CommonKVSender):
     """Prefill side of one room. An abort stops the room's push first: its pages go
     back to SGLang (Failed) only when the connector says nothing reads them."""
 
+    kvops = True  # what the layer-wise hooks look for (layerwise.py)
+
     def abort(self) -> None:
         if self.conclude_state is None:
             self.kv_mgr.abort_room(self.bootstrap_room, "aborted by the prefill engine")
+
+    def clear(self) -> None:
+        super().clear()
+        self.kv_mgr.forget(self.bootstrap_room)
 
 
 class KvopsKVReceiver(sgl.CommonKVReceiver):

@@ -9,6 +9,7 @@ installs the backend, so a changed SGLang fails loudly at start-up, not in a tra
 from __future__ import annotations
 
 import inspect
+import pkgutil
 from typing import Dict, List
 
 import sglang
@@ -23,10 +24,24 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 READ_FROM = "0.5.23"
 
+# hooked (plugins/hook_registry.py), for the layer-wise push (layerwise.py)
+BOOTSTRAP_QUEUE_ADD = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add"
+MODEL_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+SET_KV_BUFFER = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer"
+HOOKED: Dict[str, List[str]] = {
+    BOOTSTRAP_QUEUE_ADD: ["req", "num_kv_heads"],
+    MODEL_FORWARD: ["forward_batch"],
+    SET_KV_BUFFER: ["layer", "loc_info", "cache_k", "cache_v"],
+}
+# read in the hooks: ForwardBatch fields and the model runner's token table
+FORWARD_BATCH_FIELDS = ("rids", "req_pool_indices", "extend_prefix_lens_cpu",
+                        "extend_seq_lens_cpu", "forward_mode")
+
 __all__ = ["ABORT_TAG", "AbortNotification", "CommonKVBootstrapServer", "CommonKVManager",
            "CommonKVReceiver", "CommonKVSender", "DISAGG_TRANSFER_BACKEND_CHOICES",
            "DisaggregationMode", "HookRegistry", "HookType", "KVArgs", "KVClassType", "KVPoll",
-           "TransferBackend", "add_disagg_transfer_backend_choices", "check", "READ_FROM"]
+           "TransferBackend", "add_disagg_transfer_backend_choices", "check", "READ_FROM",
+           "BOOTSTRAP_QUEUE_ADD", "MODEL_FORWARD", "SET_KV_BUFFER"]
 
 # method -> the parameters (in order, after self) the backend passes or receives
 SIGNATURES: Dict[str, List[str]] = {
@@ -80,6 +95,19 @@ def check() -> None:
     for member in ("MANAGER", "SENDER", "RECEIVER", "BOOTSTRAP_SERVER", "KVARGS"):
         if not hasattr(KVClassType, member):
             problems.append(f"KVClassType.{member} is gone")
+    for target, expected in HOOKED.items():
+        try:
+            fn = pkgutil.resolve_name(target)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{target} is gone ({exc})")
+            continue
+        params = [p for p in inspect.signature(fn).parameters if p != "self"]
+        if params[:len(expected)] != expected:
+            problems.append(f"{target}{tuple(params)} differs from the {tuple(expected)} read")
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    fields = getattr(ForwardBatch, "__dataclass_fields__", {})
+    problems += [f"ForwardBatch.{name} is gone" for name in FORWARD_BATCH_FIELDS if name not in fields]
     if not isinstance(DISAGG_TRANSFER_BACKEND_CHOICES, list):
         problems.append("DISAGG_TRANSFER_BACKEND_CHOICES is no longer a list")
     if problems:

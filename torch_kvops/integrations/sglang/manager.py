@@ -13,8 +13,9 @@ sets a room's status only from the connector's outcomes:
   room) arrived, Failed when the connector reports it failed, which it does only once
   no write of the prefill can land any more (the fence).
 
-What runs where: SGLang's scheduler thread calls ``add_transfer_request`` (queues);
-``kvops-sglang-push`` sends metadata rows and runs connector steps; ``kvops-sglang-recv``
+What runs where: the forward pushes each layer as it is written (:mod:`.layerwise`);
+SGLang's scheduler thread calls ``add_transfer_request`` (queues); ``kvops-sglang-push``
+sends metadata rows and pushes what the forward did not; ``kvops-sglang-recv``
 reads this rank's ZMQ socket; ``kvops-sglang-outcome`` turns connector outcomes into
 room statuses. Threads are daemons, as SGLang's own backends' are: they live as long
 as the scheduler process.
@@ -26,7 +27,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Set
 
 import numpy as np
 import zmq
@@ -35,7 +36,10 @@ from ...connector import LayerwiseConnector
 from ...plan import TransferRequest
 from ...transports import MooncakeTransport, TransportError
 from . import internals as sgl
-from .pages import page_views, read_rows, write_rows
+from .decode_rooms import DecodeRooms
+from .layerwise import LayerwisePrefill
+from .metrics import Counts
+from .pages import page_views, read_rows
 from .settings import KvopsSglangSettings
 
 log = logging.getLogger(__name__)
@@ -72,13 +76,18 @@ class KvopsKVManager(sgl.CommonKVManager):
         except BaseException:
             self.transport.close()
             raise
+        self.counts = Counts("prefill" if self.prefill else "decode")
         self._lock = threading.Lock()
+        self.step_lock = threading.Lock()  # one connector step at a time: forward or push thread
         self._peers: Dict[str, str] = {}  # prefill: decode session -> connector peer id
-        self._aux_rows: Dict[int, int] = {}  # decode: room -> its metadata row
-        self._landed: Set[int] = set()  # decode: rooms whose KV landed
-        self._rows_in: Set[int] = set()  # decode: rooms whose metadata row landed
-        self._aborted: Set[int] = set()  # decode: rooms the engine gave up on
+        self._prefill_parts: Dict[int, Set[str]] = {}  # prefill: room -> "kv", "row" done
         self._pushes: "queue.Queue[tuple]" = queue.Queue()
+        self.layerwise = self.rooms = None
+        if self.prefill:
+            self.layerwise = LayerwisePrefill(self, args.page_size, len(self.caches) // 2)
+            self.layerwise.install()
+        else:
+            self.rooms = DecodeRooms(args, self._decode_success, self._fail)
         threads = [("recv", self._recv_loop), ("outcome", self._outcome_loop)]
         if self.prefill:
             threads.append(("push", self._push_loop))
@@ -172,8 +181,37 @@ class KvopsKVManager(sgl.CommonKVManager):
         thread (host caches: the forward's writes are done when this is called)."""
         if self.check_status(bootstrap_room) == sgl.KVPoll.Failed:
             return
-        self._pushes.put(("push", bootstrap_room, np.asarray(kv_indices, dtype=np.int64),
-                          index_slice, bool(is_last_chunk), aux_index))
+        pages = np.asarray(kv_indices, dtype=np.int64)
+        done = self.layerwise.pushed_pages(bootstrap_room) - index_slice.start
+        if done > 0:  # the forward pushed these (or some): the rest, and the metadata row
+            pages, index_slice = pages[done:], slice(index_slice.start + done, index_slice.stop)
+        last = bool(is_last_chunk)
+        self._pushes.put(("push", bootstrap_room, pages, index_slice, last, aux_index,
+                          last and self.layerwise.pushed_last(bootstrap_room)))
+
+    def ready_destinations(self, room: int) -> List[Destination]:
+        """A room's destinations once all arrived (none with a decode-side prefix: its
+        pages are pushed after the forward, by the push thread)."""
+        if self.request_status.get(room) != sgl.KVPoll.WaitingForInput \
+                or self.req_to_decode_prefix_len.get(room, 0):
+            return []
+        return [d for d in (self.transfer_infos.get(room) or {}).values() if d]
+
+    def start_step(self, requests: List[TransferRequest]) -> bool:
+        """Under ``step_lock``: end the previous step, start this one (a refused
+        request is reported failed by the connector). False, and its rooms failed, if
+        it could not start."""
+        try:
+            self.conn.wait_for_save(self.conn.config.step_timeout_s)
+            self.conn.start_step(requests, partial=True)
+            return True
+        except (ValueError, RuntimeError, TimeoutError) as exc:
+            for room in {int(r.req_id) for r in requests}:
+                self._fail(room, f"kvops push not started: {exc}")
+            return False
+
+    def save_buffer(self, index: int) -> None:
+        self.conn.save_kv_layer(index, self.caches[index])
 
     def abort_room(self, room: int, reason: str) -> None:
         self._pushes.put(("abort", room, reason))
@@ -195,7 +233,7 @@ class KvopsKVManager(sgl.CommonKVManager):
             if item[0] == "abort":
                 self._abort(item[1], item[2])
                 continue
-            _, room, pages, index_slice, last, aux_index = item
+            _, room, pages, index_slice, last, aux_index, last_pushed = item
             if room in rooms:  # a room's next chunk goes in the next step
                 self._pushes.put(item)
                 continue
@@ -210,21 +248,20 @@ class KvopsKVManager(sgl.CommonKVManager):
             except zmq.ZMQError as exc:
                 self._fail(room, f"the metadata row did not reach the decode side: {exc}")
                 continue
-            requests += [TransferRequest(str(room), dest.peer, pages.tolist(),
-                                         dest.pages[index_slice].tolist(), last_chunk=last)
-                         for dest in destinations]
+            if last:
+                self._prefill_part_done(room, "row")
+            if len(pages) or (last and not last_pushed):  # an empty last chunk still ends it
+                requests += [TransferRequest(str(room), dest.peer, pages.tolist(),
+                                             dest.pages[index_slice].tolist(), last_chunk=last)
+                             for dest in destinations]
             rooms.add(room)
         if not requests:
             return
-        try:
-            self.conn.wait_for_save(self.conn.config.step_timeout_s)
-            self.conn.start_step(requests, partial=True)  # a refused one is reported failed
-        except (ValueError, RuntimeError, TimeoutError) as exc:
-            for room in rooms:
-                self._fail(room, f"kvops push not started: {exc}")
-            return
-        for layer, cache in enumerate(self.caches):
-            self.conn.save_kv_layer(layer, cache)
+        with self.step_lock:
+            if self.start_step(requests):
+                self.counts.add("kvops_sglang_chunks", len(requests), "after_forward")
+                for index in range(len(self.caches)):
+                    self.save_buffer(index)
 
     def _abort(self, room: int, reason: str) -> None:
         if not self.conn.abort(str(room), reason):  # not in flight: nothing can read its pages
@@ -235,50 +272,26 @@ class KvopsKVManager(sgl.CommonKVManager):
     def expect(self, room: int, aux_index: int) -> None:
         """Decode: the engine gave the room its pages and metadata row (before the
         destination message goes out)."""
-        with self._lock:
-            self._aux_rows[room] = aux_index
+        self.rooms.expect(room, aux_index)
         if not self.conn.expect(str(room)):
             self._fail(room, f"room {room} was already transferred here once (a room id is "
                              "used once)")
 
-    def give_up(self, room: int) -> bool:
+    def give_up(self, room: int) -> None:
         """Decode: the engine aborts the room. Its pages stay out of the engine's hands
         until the connector's outcome (the prefill is told through SGLang's abort
-        message and stops). True if that outcome is already in: fail it now."""
-        with self._lock:
-            self._aborted.add(room)
-            landed = room in self._landed
-        if landed:
-            self._fail(room, "aborted by the engine")
-        return landed
+        message and stops)."""
+        self.rooms.give_up(room)
 
     def forget(self, room: int) -> None:
+        (self.layerwise or self.rooms).forget(room)
         with self._lock:
-            for table in (self._landed, self._rows_in, self._aborted):
-                table.discard(room)
-            self._aux_rows.pop(room, None)
+            self._prefill_parts.pop(room, None)
 
     def _on_decode_message(self, msg: List[bytes]) -> None:
         if msg[0] != METADATA_ROW:
             raise ValueError(f"unexpected message {msg[0][:16]!r}")
-        room = int(msg[1])
-        with self._lock:
-            row = self._aux_rows.get(room)
-            if row is None or room in self._aborted:
-                return  # not (or no longer) waited for: nothing is written
-            write_rows(self.kv_args.aux_data_ptrs, self.kv_args.aux_data_lens,
-                       self.kv_args.aux_item_lens, row, msg[2:])
-            self._rows_in.add(room)
-        self._maybe_done(room)
-
-    def _maybe_done(self, room: int) -> None:
-        with self._lock:
-            ready = room in self._landed and room in self._rows_in
-            aborted = room in self._aborted
-        if aborted and room in self._landed:
-            self._fail(room, "aborted by the engine")
-        elif ready:
-            self.update_status(room, sgl.KVPoll.Success)
+        self.rooms.row_arrived(int(msg[1]), msg[2:])
 
     # ------------------------------------------------------------- outcomes
 
@@ -289,17 +302,31 @@ class KvopsKVManager(sgl.CommonKVManager):
             for req_id in finished:
                 room = int(req_id)
                 if self.prefill:
-                    self.update_status(room, sgl.KVPoll.Success)
+                    self._prefill_part_done(room, "kv")
                 else:
-                    with self._lock:
-                        self._landed.add(room)
-                    self._maybe_done(room)
+                    self.rooms.landed(room)
             for req_id in failed:
                 self._fail(int(req_id), "the kvops transfer failed (see the connector's log)")
 
+    def _decode_success(self, room: int) -> None:
+        self.counts.add("kvops_sglang_rooms", 1, "success")
+        self.update_status(room, sgl.KVPoll.Success)
+
+    def _prefill_part_done(self, room: int, part: str) -> None:
+        """Prefill: a room is Success once its KV landed ("kv") and its metadata row
+        went out ("row"): SGLang drops the room's destinations when it sees Success."""
+        with self._lock:
+            parts = self._prefill_parts.setdefault(room, set())
+            parts.add(part)
+            complete = len(parts) == 2
+            if complete:
+                del self._prefill_parts[room]
+        if complete:
+            self.counts.add("kvops_sglang_rooms", 1, "success")
+            self.update_status(room, sgl.KVPoll.Success)
+
     def _fail(self, room: int, reason: str) -> None:
+        self.counts.add("kvops_sglang_rooms", 1, "failed")
         self.record_failure(room, reason)
         self.update_status(room, sgl.KVPoll.Failed)
 
-    def stats(self) -> Tuple[dict, int]:
-        return self.conn.stats(), len(self._aux_rows)

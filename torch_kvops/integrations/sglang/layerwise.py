@@ -1,0 +1,194 @@
+"""Layer-wise push on SGLang's prefill side: each layer's pages leave for the decode
+side as soon as that layer's KV is written in the forward, while later layers compute.
+
+SGLang starts a request's prefill only once its decode side posted the destination
+(the bootstrap queue waits for it), so every chunk's destination is known when its
+forward begins. Three hooks (installed by :mod:`.backend` in every SGLang process; they
+do nothing where no ``kvops`` prefill manager runs):
+
+- after ``PrefillBootstrapQueue.add``: the request's room is tracked by its id;
+- around ``ModelRunner.forward``: the chunk of every tracked request in the batch is
+  planned (the pages SGLang's ``send_kv_chunk`` will name for it: whole pages, and the
+  partial last page only with the last chunk) and one connector step starts;
+- after ``MHATokenToKVPool.set_kv_buffer``: that layer's K and V buffers are pushed
+  (``save_kv_layer``: on CPU the write is done; on a device it records the layer's
+  event on the compute stream, never a stream sync).
+
+SGLang's ``send()`` for a chunk pushed this way then only sends the metadata row (last
+chunk); a chunk the forward did not push (its destination came later) is pushed then,
+whole, by the manager's push thread.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict, List, Optional, Set
+
+from ...plan import TransferRequest
+
+if TYPE_CHECKING:
+    from .manager import KvopsKVManager
+
+log = logging.getLogger(__name__)
+
+_PREFILL: Optional["LayerwisePrefill"] = None  # this process's, if it runs a kvops prefill
+
+
+@dataclass
+class _Room:
+    room: int
+    prompt_len: int
+    pushed_tokens: int = 0  # tokens of the prompt whose pages were pushed in a forward
+
+
+class LayerwisePrefill:
+    """The prefill manager's layer-wise part (one per scheduler process)."""
+
+    def __init__(self, manager: "KvopsKVManager", page_size: int, num_layers: int) -> None:
+        self.manager, self.page_size, self.num_layers = manager, page_size, num_layers
+        self._rooms: Dict[str, _Room] = {}  # by SGLang request id
+        self._pushed_pages: Dict[int, int] = {}  # room -> pages pushed in forwards
+        self._pushed_last: Set[int] = set()  # rooms whose last chunk a forward pushed
+        self._lock = threading.Lock()
+        self._saved: Optional[Set[int]] = None  # layers saved in the running forward's step
+        self._last_forward_end: Optional[float] = None  # of the last forward that pushed
+
+    def install(self) -> None:
+        global _PREFILL
+        _PREFILL = self
+
+    # ------------------------------------------------------------- bookkeeping
+
+    def track(self, rid: str, room: int, prompt_len: int) -> None:
+        with self._lock:
+            self._rooms[rid] = _Room(room, prompt_len)
+
+    def pushed_pages(self, room: int) -> int:
+        with self._lock:
+            return self._pushed_pages.get(room, 0)
+
+    def pushed_last(self, room: int) -> bool:
+        with self._lock:
+            return room in self._pushed_last
+
+    def forget(self, room: int) -> None:
+        with self._lock:
+            self._pushed_pages.pop(room, None)
+            self._pushed_last.discard(room)
+            for rid in [r for r, t in self._rooms.items() if t.room == room]:
+                del self._rooms[rid]
+
+    # ------------------------------------------------------------- the forward
+
+    def plan(self, forward_batch, req_to_token) -> List[TransferRequest]:
+        """This forward's pushes: per tracked request with a known destination, the
+        pages of its chunk as ``send_kv_chunk`` will cut them."""
+        rids = forward_batch.rids or []
+        prefixes, lengths = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
+        if not rids or prefixes is None or lengths is None:
+            return []
+        requests = []
+        pool_rows = forward_batch.req_pool_indices.tolist()
+        for rid, row, prefix, length in zip(rids, pool_rows, prefixes, lengths):
+            with self._lock:
+                tracked = self._rooms.get(rid)
+            if tracked is None:
+                continue
+            destinations = self.manager.ready_destinations(tracked.room)
+            if not destinations:
+                continue  # not ready (or a decode radix prefix): the push thread sends it
+            end = int(prefix) + int(length)
+            last = end >= tracked.prompt_len
+            if not last:
+                end -= end % self.page_size
+            start = tracked.pushed_tokens
+            if end <= start:
+                continue
+            p = self.page_size
+            src = (req_to_token[row, start:end:p] // p).tolist()
+            first, stop = start // p, -(-end // p)
+            requests += [TransferRequest(str(tracked.room), dest.peer, src,
+                                         dest.pages[first:stop].tolist(), last_chunk=last)
+                         for dest in destinations]
+            with self._lock:
+                tracked.pushed_tokens = end
+                self._pushed_pages[tracked.room] = stop
+                if last:
+                    self._pushed_last.add(tracked.room)
+        return requests
+
+    def forward(self, original, runner, forward_batch, *args, **kwargs):
+        """Around ``ModelRunner.forward``: one connector step for the batch's chunks."""
+        if not forward_batch.forward_mode.is_extend():
+            return original(runner, forward_batch, *args, **kwargs)
+        try:
+            requests = self.plan(forward_batch, runner.req_to_token_pool.req_to_token)
+        except (KeyError, IndexError, ValueError, AttributeError):
+            # SGLang's batch is not what was read: its chunks go after the forward
+            log.exception("kvops: no layer-wise push for this forward")
+            requests = []
+        if not requests:
+            return original(runner, forward_batch, *args, **kwargs)
+        with self.manager.step_lock:
+            self._saved = set()
+            try:
+                if self.manager.start_step(requests):
+                    self._count_overlap()
+                    self.manager.counts.add("kvops_sglang_chunks", len(requests), "forward")
+                return original(runner, forward_batch, *args, **kwargs)
+            finally:
+                # a layer the forward did not write (it raised) still ends the step
+                for buffer in range(2 * self.num_layers):
+                    if buffer not in self._saved:
+                        self.manager.save_buffer(buffer)
+                self._saved = None
+                self._last_forward_end = time.perf_counter()
+
+    def _count_overlap(self) -> None:
+        """The previous forward's step is over (start_step waited for it): count its
+        layers whose bytes landed before that forward ended (perf_counter clocks)."""
+        end, self._last_forward_end = self._last_forward_end, None
+        if end is None:
+            return
+        trace = self.manager.conn.last_step_trace()
+        landed = [t.get("landed") for t in trace]
+        self.manager.counts.add("kvops_sglang_layers", len([t for t in landed if t is not None]))
+        self.manager.counts.add("kvops_sglang_layers_landed_during_forward",
+                                len([t for t in landed if t is not None and t < end]))
+
+    def layer_written(self, layer_id: int) -> None:
+        """After ``set_kv_buffer``: push this layer's K and V buffers."""
+        saved = self._saved
+        if saved is None:
+            return  # no push in this forward (or another thread's call)
+        for buffer in (layer_id, self.num_layers + layer_id):
+            if buffer not in saved:
+                saved.add(buffer)
+                self.manager.save_buffer(buffer)
+
+
+# ----------------------------------------------------------------- the hooks
+
+
+def after_bootstrap_add(result, queue, req, *args, **kwargs):
+    """After ``PrefillBootstrapQueue.add``: track the request's room by its id."""
+    # only kvops senders (warmup requests get SGLang's fake one, with room 0)
+    if _PREFILL is not None and getattr(getattr(req, "disagg_kv_sender", None), "kvops", False):
+        _PREFILL.track(req.rid, int(req.bootstrap_room), len(req.origin_input_ids))
+    return result
+
+
+def around_forward(original, runner, forward_batch, *args, **kwargs):
+    if _PREFILL is None:
+        return original(runner, forward_batch, *args, **kwargs)
+    return _PREFILL.forward(original, runner, forward_batch, *args, **kwargs)
+
+
+def after_set_kv_buffer(result, pool, layer, *args, **kwargs):
+    if _PREFILL is not None:
+        layer_id = kwargs.get("layer_id_override")
+        _PREFILL.layer_written((layer.layer_id if layer_id is None else layer_id)
+                               - getattr(pool, "start_layer", 0))
+    return result

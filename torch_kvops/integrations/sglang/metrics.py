@@ -1,0 +1,40 @@
+"""The ``kvops`` backend's Prometheus counters in SGLang. SGLang serves ``/metrics`` in
+multiprocess mode (``--enable-metrics``): counters created in the scheduler process
+appear there. Without prometheus_client (not an SGLang requirement everywhere) they
+are kept in the process only."""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+try:
+    from prometheus_client import Counter
+except ImportError:  # pragma: no cover - SGLang installs it
+    Counter = None
+
+_COUNTERS: Dict[str, object] = {}
+HELP = {
+    "kvops_sglang_chunks": "Chunks pushed, by role and path: 'forward' (layer by layer, "
+                           "in the forward) or 'after_forward' (whole, by the push thread)",
+    "kvops_sglang_layers": "KV buffers (a layer's K or V) pushed in forwards",
+    "kvops_sglang_layers_landed_during_forward": "Of those, the ones whose bytes landed "
+                                                 "on the decode side before the forward ended",
+    "kvops_sglang_rooms": "Rooms ended, by role and outcome",
+}
+
+
+class Counts:
+    """Counters with labels, mirrored in ``values`` for the process itself."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.values: Dict[Tuple[str, str], float] = {}
+
+    def add(self, name: str, amount: float = 1, label: str = "") -> None:
+        key = (name, label)
+        self.values[key] = self.values.get(key, 0) + amount
+        if Counter is None or amount <= 0:
+            return
+        counter = _COUNTERS.get(name)
+        if counter is None:
+            counter = _COUNTERS[name] = Counter(name, HELP[name], ["role", "label"])
+        counter.labels(role=self.role, label=label).inc(amount)
