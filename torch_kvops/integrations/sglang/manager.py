@@ -137,8 +137,10 @@ class KvopsKVManager(sgl.CommonKVManager):
                 continue
             try:
                 handle(msg)
-            except (ValueError, KeyError, IndexError, UnicodeDecodeError, TransportError) as exc:
-                # a peer's garbage fails that peer's room at most, never this thread
+            except (ValueError, KeyError, IndexError, UnicodeDecodeError, TransportError,
+                    RuntimeError, OSError) as exc:
+                # a peer's garbage, or a peer that cannot be connected (add_peer), fails
+                # that peer's rooms at most, never this thread
                 log.warning("kvops: a message of %d frames was refused: %s", len(msg), exc)
 
     def _on_prefill_message(self, msg: List[bytes]) -> None:
