@@ -55,6 +55,15 @@ class ProxySpec(_Launched):
                 "--decode", ",".join(d.url for d in self.decode), *self.extra_args]
 
 
+def with_python_path(env: Dict[str, str], *first: Optional[str]) -> Dict[str, str]:
+    """``env`` with the entries ``first`` (None skipped) ahead of its own PYTHONPATH."""
+    path = [p for p in (*first, env.get("PYTHONPATH")) if p]
+    env.pop("PYTHONPATH", None)
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(path)
+    return env
+
+
 def _router_command(host: str, port: int, policy: str, *mode_args: str) -> List[str]:
     """vllm-router's command line; its Prometheus exporter on a free port (its default,
     29000, is one per host or network namespace, and a second router there panics at

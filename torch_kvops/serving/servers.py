@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set
 
 from . import prometheus
-from .fronts import ProxySpec, ReplicaRouterSpec, RouterSpec
+from .fronts import ProxySpec, ReplicaRouterSpec, RouterSpec, with_python_path
 from .ports import free_port, listens_on
 from .reaper import descendants_and_group
 
@@ -176,16 +176,14 @@ class ServerSpec:
                 env.pop(name, None)
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
-        # the spec's own entries first, then the spin setting's, then the harness's
-        path = [self.env.get("PYTHONPATH"), env.get("PYTHONPATH")]
+        spin = None
         if self.shm_busy_loop_s is not None:
             env[SHM_BUSY_LOOP_VARIABLE] = repr(float(self.shm_busy_loop_s))
-            path.insert(1, SHM_SPIN_DIR)
-        env.update(self.env)
-        env.pop("PYTHONPATH", None)
-        if any(path):
-            env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
-        return env
+            spin = SHM_SPIN_DIR
+        # the spec's own entries first, then the spin setting's, then the harness's
+        own = self.env.get("PYTHONPATH")
+        env.update({k: v for k, v in self.env.items() if k != "PYTHONPATH"})
+        return with_python_path(env, own, spin)
 
 
 def _http_get(url: str, timeout: float) -> int:

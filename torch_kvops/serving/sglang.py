@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from .fronts import _Launched
+from .fronts import _Launched, with_python_path
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PYTHON_ENV = "KVOPS_SGLANG_PYTHON"
@@ -70,12 +70,8 @@ class SglangServerSpec(_Launched):
         env.update(SGLANG_USE_CPU_ENGINE="1", MC_FORCE_TCP="1", SGLANG_HOST_IP=self.host,
                    # the early send of a cached prefix records a torch.cuda.Event
                    SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX="0")
-        path = [self.env.get("PYTHONPATH"), env.get("PYTHONPATH")]
         env.update({k: v for k, v in self.env.items() if k != "PYTHONPATH"})
-        env.pop("PYTHONPATH", None)
-        if any(path):
-            env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
-        return env
+        return with_python_path(env, self.env.get("PYTHONPATH"))
 
 
 @dataclass

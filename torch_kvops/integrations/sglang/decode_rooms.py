@@ -21,6 +21,7 @@ class DecodeRooms:
         self._landed: Set[int] = set()
         self._rows_in: Set[int] = set()
         self._aborted: Set[int] = set()
+        self._settled: Set[int] = set()  # reported to SGLang (once)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -53,16 +54,21 @@ class DecodeRooms:
 
     def forget(self, room: int) -> None:
         with self._lock:
-            for table in (self._landed, self._rows_in, self._aborted):
+            for table in (self._landed, self._rows_in, self._aborted, self._settled):
                 table.discard(room)
             self._rows.pop(room, None)
 
     def _settle(self, room: int) -> None:
+        """Report the room once: failed if aborted and its KV is in (no write can land
+        any more), success if its KV and its row are in."""
         with self._lock:
-            landed = room in self._landed
+            if room in self._settled or room not in self._landed:
+                return
             aborted = room in self._aborted
-            ready = landed and room in self._rows_in
-        if aborted and landed:
+            if not aborted and room not in self._rows_in:
+                return
+            self._settled.add(room)
+        if aborted:
             self._fail(room, "aborted by the engine")
-        elif ready and not aborted:
+        else:
             self._succeed(room)

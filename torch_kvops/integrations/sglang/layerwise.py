@@ -132,11 +132,11 @@ class LayerwisePrefill:
         if not requests:
             return original(runner, forward_batch, *args, **kwargs)
         with self.manager.step_lock:
+            if not self.manager.start_step(requests):  # its rooms are failed
+                return original(runner, forward_batch, *args, **kwargs)
+            self.manager.counts.add("kvops_sglang_chunks", len(requests), "forward")
             self._saved = set()
             try:
-                if self.manager.start_step(requests):
-                    self._count_overlap()
-                    self.manager.counts.add("kvops_sglang_chunks", len(requests), "forward")
                 return original(runner, forward_batch, *args, **kwargs)
             finally:
                 # a layer the forward did not write (it raised) still ends the step
@@ -146,8 +146,8 @@ class LayerwisePrefill:
                 self._saved = None
                 self._last_forward_end = time.perf_counter()
 
-    def _count_overlap(self) -> None:
-        """The previous forward's step is over (start_step waited for it): count its
+    def count_overlap(self) -> None:
+        """Under ``step_lock``, once the last step ended: if a forward ran it, count its
         layers whose bytes landed before that forward ended (perf_counter clocks)."""
         end, self._last_forward_end = self._last_forward_end, None
         if end is None:

@@ -8,7 +8,8 @@ Mooncake (one protocol with the vLLM adapter: control channel, leases, the fence
 sets a room's status only from the connector's outcomes:
 
 - prefill: a room is Success when the connector reports every byte landed (its pages
-  may be freed), Failed when it reports it failed;
+  may be freed) and its metadata row went out, Failed when the connector reports it
+  failed;
 - decode: a room is Success when every byte landed and its metadata row (first token,
   room) arrived, Failed when the connector reports it failed, which it does only once
   no write of the prefill can land any more (the fence).
@@ -197,6 +198,9 @@ class KvopsKVManager(sgl.CommonKVManager):
         if self.request_status.get(room) != sgl.KVPoll.WaitingForInput \
                 or self.req_to_decode_prefix_len.get(room, 0):
             return []
+        return self._destinations(room)
+
+    def _destinations(self, room: int) -> List[Destination]:
         return [d for d in (self.transfer_infos.get(room) or {}).values() if d]
 
     def start_step(self, requests: List[TransferRequest]) -> bool:
@@ -205,6 +209,8 @@ class KvopsKVManager(sgl.CommonKVManager):
         it could not start."""
         try:
             self.conn.wait_for_save(self.conn.config.step_timeout_s)
+            if self.layerwise is not None:
+                self.layerwise.count_overlap()  # the step just ended, if a forward's
             self.conn.start_step(requests, partial=True)
             return True
         except (ValueError, RuntimeError, TimeoutError) as exc:
@@ -239,12 +245,12 @@ class KvopsKVManager(sgl.CommonKVManager):
             if room in rooms:  # a room's next chunk goes in the next step
                 self._pushes.put(item)
                 continue
-            destinations = [d for d in (self.transfer_infos.get(room) or {}).values() if d]
+            destinations = self._destinations(room)
             try:
-                for dest in destinations:
-                    if last and aux_index is not None:
-                        rows = read_rows(self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens,
-                                         aux_index)
+                if last and aux_index is not None:
+                    rows = read_rows(self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens,
+                                     aux_index)
+                    for dest in destinations:
                         self._send_multipart_locked(dest.endpoint,
                                                     [METADATA_ROW, str(room).encode(), *rows])
             except zmq.ZMQError as exc:

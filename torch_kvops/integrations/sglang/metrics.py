@@ -1,17 +1,13 @@
 """The ``kvops`` backend's Prometheus counters in SGLang. SGLang serves ``/metrics`` in
 multiprocess mode (``--enable-metrics``): counters created in the scheduler process
-appear there. Without prometheus_client (not an SGLang requirement everywhere) they
-are kept in the process only."""
+appear there."""
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict
 
-try:
-    from prometheus_client import Counter
-except ImportError:  # pragma: no cover - SGLang installs it
-    Counter = None
+from prometheus_client import Counter
 
-_COUNTERS: Dict[str, object] = {}
+_COUNTERS: Dict[str, Counter] = {}
 HELP = {
     "kvops_sglang_chunks": "Chunks pushed, by role and path: 'forward' (layer by layer, "
                            "in the forward) or 'after_forward' (whole, by the push thread)",
@@ -23,16 +19,13 @@ HELP = {
 
 
 class Counts:
-    """Counters with labels, mirrored in ``values`` for the process itself."""
+    """The counters of one role (``role`` label), each with one more ``label``."""
 
     def __init__(self, role: str) -> None:
         self.role = role
-        self.values: Dict[Tuple[str, str], float] = {}
 
     def add(self, name: str, amount: float = 1, label: str = "") -> None:
-        key = (name, label)
-        self.values[key] = self.values.get(key, 0) + amount
-        if Counter is None or amount <= 0:
+        if amount <= 0:
             return
         counter = _COUNTERS.get(name)
         if counter is None:
