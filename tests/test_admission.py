@@ -3,7 +3,9 @@ processes over Mooncake TCP: with ``begin_waits_for_expect_s`` set (the vLLM
 integration sets it), a producer's begin for a request the consumer never expected is
 held, then rejected: the producer writes nothing, and the blocks it named keep their
 bytes. A begin that arrives before the engine's ``expect()`` (a producer faster than
-the consumer's engine) waits for it and lands. The control: without the setting the
+the consumer's engine) waits for it and lands, even when the engine is later than the
+producer's transfer timeout and the consumer's lease (the hold counts toward neither).
+The control: without the setting the
 unexpected request's bytes land in the named blocks, which the engine may have given
 to any other request."""
 import time
@@ -22,10 +24,11 @@ UNTOUCHED = -7.0  # the consumer's caches start so
 
 
 @pytest.fixture
-def producer():
+def producer(request):
+    settings = getattr(request, "param", FAST)
     transport = MooncakeTransport(host="127.0.0.1")
     caches = [torch.full((BLOCKS, *BLOCK_SHAPE), float(layer + 1)) for layer in range(LAYERS)]
-    conn = LayerwiseConnector("producer", transport, ConnectorConfig(**FAST))
+    conn = LayerwiseConnector("producer", transport, ConnectorConfig(**settings))
     conn.register_kv_caches(caches)
     yield conn, caches
     conn.close()
@@ -63,13 +66,20 @@ def test_a_begin_for_a_request_nobody_expected_writes_nothing(producer, wait_s):
         consumer.stop()
 
 
-def test_a_begin_ahead_of_the_engines_expect_waits_for_it_and_lands(producer):
+# an engine 2 s behind its producer: longer than the producer's transfer timeout and the
+# consumer's lease, shorter than the hold and the producer's wait for the answer
+BEHIND = dict(FAST, transfer_timeout_s=1.0, lease_s=1.5, begin_timeout_s=5.0)
+
+
+@pytest.mark.parametrize("producer,behind_s,settings", [(FAST, 0.3, FAST), (BEHIND, 2.0, BEHIND)],
+                         ids=["one_step_behind", "behind_the_timeouts"], indirect=["producer"])
+def test_a_begin_ahead_of_the_engines_expect_waits_for_it_and_lands(producer, behind_s, settings):
     conn, caches = producer
-    consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, begin_waits_for_expect_s=2.0, **FAST)
+    consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, begin_waits_for_expect_s=4.0, **settings)
     try:
         peer = conn.add_peer(consumer.info)
         conn.start_step([TransferRequest("late", peer, [3, 4], [9, 10])])  # the begin goes out now
-        time.sleep(0.3)  # the consumer's engine learns of the request later
+        time.sleep(behind_s)  # the consumer's engine learns of the request later
         assert consumer.call("expect", ["late"]) == [True]
         for layer, cache in enumerate(caches):
             conn.save_kv_layer(layer, cache)
@@ -86,4 +96,4 @@ def test_a_begin_ahead_of_the_engines_expect_waits_for_it_and_lands(producer):
 
 def test_the_wait_must_be_shorter_than_the_producers_answer_timeout():
     with pytest.raises(ValueError, match="begin_waits_for_expect_s"):
-        ConnectorConfig(transfer_timeout_s=1.0, begin_waits_for_expect_s=1.5)
+        ConnectorConfig(begin_timeout_s=1.0, begin_waits_for_expect_s=1.5)

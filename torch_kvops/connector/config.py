@@ -41,8 +41,11 @@ class ConnectorConfig:
     control_timeout_s: float = 5.0  # connect/send on the control channel
     # consumer: None, a begin may start requests nobody expected; a number, a begin
     # naming such a request is answered once expect() names it, at most this long
-    # after, and rejects it then (consumer_admission.py). Below transfer_timeout_s.
+    # after, and rejects it then (consumer_admission.py). Below begin_timeout_s.
     begin_waits_for_expect_s: Optional[float] = None
+    # producer: how long it waits for the answer to a begin, which a consumer may hold
+    # up to its begin_waits_for_expect_s (its engine may be a few steps behind)
+    begin_timeout_s: float = 15.0
     quarantine_s: float = 1.0  # a write that failed may still land late (Mooncake#4247)
     # The fence (docs/connector.md, "The fence"). Consumer: a request it gives up on
     # while its producer may still have writes in the transport (lease expired, the
@@ -76,9 +79,9 @@ class ConnectorConfig:
         if self.fence_drain_s < 0:
             raise ValueError(f"fence_drain_s must be >= 0, got {self.fence_drain_s}")
         wait = self.begin_waits_for_expect_s
-        if wait is not None and not 0 <= wait < self.transfer_timeout_s:
-            raise ValueError(f"begin_waits_for_expect_s must be None or in [0, transfer_timeout_s="
-                             f"{self.transfer_timeout_s}) (the producer waits that long for an "
+        if wait is not None and not 0 <= wait < self.begin_timeout_s:
+            raise ValueError(f"begin_waits_for_expect_s must be None or in [0, begin_timeout_s="
+                             f"{self.begin_timeout_s}) (the producer waits that long for an "
                              f"answer), got {wait!r}")
         if self.staging_slots < 2:
             raise ValueError("staging_slots must be >= 2: one slot group is gathered while the "

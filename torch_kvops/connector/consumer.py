@@ -78,7 +78,7 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity, BeginAdmission):
         self._ledger = ledger
         self._stats = stats
         self._incoming: Dict[str, _Incoming] = {}
-        self._held_begins: List[Tuple[float, dict, Session]] = []  # consumer_admission.py
+        self._held_begins: List[Tuple[float, float, dict, Session]] = []  # consumer_admission.py
         # Per session: destination block -> the owned in-flight request naming it.
         self._owned_blocks: Dict[Session, Dict[int, str]] = {}
         self._num_blocks = min(c.size(0) for c in caches)
@@ -178,13 +178,15 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity, BeginAdmission):
         else:
             raise ValueError(f"unknown control message {op!r}")
 
-    def _answer_begin(self, message: dict, session: Session, unexpected: List[str]) -> None:
+    def _answer_begin(self, message: dict, session: Session, unexpected: List[str],
+                      held_s: float = 0.0) -> None:
         """Begin the requests of ``message`` but ``unexpected`` (consumer_admission.py)
         and answer with those this session may not send."""
         begun = dict(message, reqs=[r for r in message["reqs"] if str(r) not in unexpected])
         rejected = self._begin_requests(begun, session) + unexpected
-        # the write lease: the producer counts it from before it sent begin
-        session.reply({"op": "begun", "rejected": rejected, "grant_s": self._config.lease_s})
+        # the write lease: the producer counts it from before it sent begin, so a begin
+        # held here for ``held_s`` is granted that much more (the lease here starts now)
+        session.reply({"op": "begun", "rejected": rejected, "grant_s": self._config.lease_s + held_s})
 
     def _begin_requests(self, message: dict, session: Session) -> List[str]:
         """Start or renew the leases of a step's requests and note which blocks each

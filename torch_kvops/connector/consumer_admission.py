@@ -9,7 +9,9 @@ may: a post travels faster than the engine's next step), at most that long, and 
 request still unknown then is rejected, so its producer writes nothing. Without it,
 a producer with a stale or wrong id would write into blocks the engine gave to some
 other request. Every wait here is on the control thread's tick; the producer waits
-for the answer (its own timeout, ``transfer_timeout_s``, must be longer).
+for the answer (its own timeout, ``begin_timeout_s``, must be longer). The write lease
+granted with the answer counts the hold as well: the producer counts its lease from
+before it sent the begin.
 
 A part of :class:`~torch_kvops.connector.consumer.ConsumerSide`, kept apart because it
 is one job: it reads the request table (``_incoming``, under the ledger lock) and
@@ -39,9 +41,10 @@ class BeginAdmission:
     _ledger: RequestLedger
     _stats: ConnectorStats
     _incoming: Dict[str, "_Incoming"]
-    _held_begins: List[Tuple[float, dict, Session]]
+    _held_begins: List[Tuple[float, float, dict, Session]]  # (deadline, arrival, ...)
 
-    def _answer_begin(self, message: dict, session: Session, unexpected: List[str]) -> None:
+    def _answer_begin(self, message: dict, session: Session, unexpected: List[str],
+                      held_s: float = 0.0) -> None:
         raise NotImplementedError  # ConsumerSide's
 
     def _unexpected_locked(self, message: dict) -> List[str]:
@@ -57,7 +60,8 @@ class BeginAdmission:
         with self._ledger.lock:
             waiting = bool(self._unexpected_locked(message))
             if waiting:
-                self._held_begins.append((time.monotonic() + self._config.begin_waits_for_expect_s,
+                now = time.monotonic()
+                self._held_begins.append((now + self._config.begin_waits_for_expect_s, now,
                                           message, session))
         if not waiting:
             self._answer_begin(message, session, [])
@@ -70,20 +74,20 @@ class BeginAdmission:
         now, ready = time.monotonic(), []
         with self._ledger.lock:
             held, self._held_begins = self._held_begins, []
-            for deadline, message, session in held:
+            for deadline, arrival, message, session in held:
                 unexpected = self._unexpected_locked(message)
                 if unexpected and deadline > now:
-                    self._held_begins.append((deadline, message, session))
+                    self._held_begins.append((deadline, arrival, message, session))
                 else:
-                    ready.append((message, session, unexpected))
-        for message, session, unexpected in ready:
+                    ready.append((message, session, unexpected, now - arrival))
+        for message, session, unexpected, held_s in ready:
             if unexpected:
-                log.warning("producer %s: begin for %s, which this consumer never expected: "
-                            "rejected", session.producer, sorted(unexpected))
+                log.warning("producer %s: begin for %s, which this consumer never expected "
+                            "within %.1f s: rejected", session.producer, sorted(unexpected), held_s)
                 self._stats.add(failed_begin_unexpected=len(unexpected))
-            self._answer_begin(message, session, unexpected)
+            self._answer_begin(message, session, unexpected, held_s)
 
     def _drop_held_begins(self, session: Session) -> None:
         """The session ended: nobody waits for its held begins."""
         with self._ledger.lock:
-            self._held_begins = [h for h in self._held_begins if h[2] is not session]
+            self._held_begins = [h for h in self._held_begins if h[3] is not session]

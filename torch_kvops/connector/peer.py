@@ -81,11 +81,11 @@ class PeerLink:
         self.write_until = 0.0
         self.send({"op": "begin", "reqs": list(dst_blocks),
                    "dst": {req_id: dst.tolist() for req_id, dst in dst_blocks.items()}})
-        answer = self._receive_until(lambda m: m.get("op") == "begun")
+        answer = self._receive_until(lambda m: m.get("op") == "begun", self._config.begin_timeout_s)
         if answer is None:
             # a late answer would be taken for the next begin's: the channel is out of
             # step, so the link is given up (and connected again later, afresh)
-            raise self.give_up(self.dead or "no answer to begin within the transfer timeout")
+            raise self.give_up(self.dead or "no answer to begin within begin_timeout_s")
         grant = answer.get("grant_s")
         if type(grant) not in (int, float) or not 0 <= grant < float("inf"):
             raise PeerFailed(f"the consumer's answer to begin grants no valid write lease: {grant!r}")
@@ -121,10 +121,12 @@ class PeerLink:
             return None
         return Hold(self.writes_may_be_in_flight, self._config.quarantine_s)
 
-    def _receive_until(self, done: Callable[[dict], bool]) -> Optional[dict]:
+    def _receive_until(self, done: Callable[[dict], bool],
+                       timeout_s: Optional[float] = None) -> Optional[dict]:
         """Read the peer's messages (staging acks are handled on the way) until
-        ``done(message)``; None on timeout, close, or a broken channel."""
-        deadline = time.monotonic() + self._config.transfer_timeout_s
+        ``done(message)``, at most ``timeout_s`` (the transfer timeout by default);
+        None on timeout, close, or a broken channel."""
+        deadline = time.monotonic() + (self._config.transfer_timeout_s if timeout_s is None else timeout_s)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self._stop.is_set():
