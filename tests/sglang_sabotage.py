@@ -9,6 +9,8 @@ test's ``vllm_sabotage.Switch`` writes it), in the prefill server:
   pages would be no control: attention over a prompt's keys ignores their order
   (positions are in the keys).
 - ``drop``: the transport reports every write done and moves no byte.
+- ``drop_layer``: the writes of one KV buffer (the keys of layer 1) move no byte (the
+  transport reports success); every other layer arrives.
 """
 import os
 
@@ -26,6 +28,7 @@ def serving_env(directory: str) -> dict:
 
 
 def install() -> None:
+    from torch_kvops.connector.peer import PeerLink
     from torch_kvops.integrations.sglang.manager import KvopsKVManager
     from torch_kvops.transports.mooncake import MooncakeTransport
 
@@ -57,3 +60,11 @@ def install() -> None:
         return write(self, peer, src, dst, lengths, **kwargs)
 
     MooncakeTransport.write = sabotaged_write
+    write_layer = PeerLink.write_layer
+
+    def sabotaged_write_layer(self, layer, *args, **kwargs):
+        if "drop_layer" in modes() and layer == 1:  # buffer 1: the keys of layer 1
+            return 0, None
+        return write_layer(self, layer, *args, **kwargs)
+
+    PeerLink.write_layer = sabotaged_write_layer

@@ -3,10 +3,13 @@
 --disaggregation-transfer-backend kvops``, CPU) behind SGLang's router
 (``sglang-router`` 0.3.2, P/D mode), against a monolithic SGLang server.
 
-SGLang's decode server never computes a prompt: it decodes from the KV the prefill
-server sent. So answers equal to the reference mean the KV arrived whole and in place,
-and the negative controls (P pushes to rotated pages; P's transport moves no byte)
-show that the answers depend on those bytes. The only stand-in is tests/sglang_standin
+Two prefill servers and one decode server (2P1D), 16 prompts at once, pages of 16
+tokens; one prefill server prefills in chunks of 256 tokens, so most of its rooms leave
+in several chunks. SGLang's decode server never computes a prompt: it decodes from the
+KV the prefill server sent. So answers equal to the reference mean the KV arrived whole
+and in place, and the negative controls (P pushes to pages past the room's; P's
+transport moves no byte; it moves every layer but one) show that the answers depend on
+those bytes. The only stand-in is tests/sglang_standin
 (two CPU kernels of sgl_kernel that have no wheel on PyPI), labelled there.
 """
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import os
 import random
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from typing import Dict, List
@@ -31,103 +35,13 @@ from serving_fleet import workspace
 from sglang_sabotage import serving_env
 
 MAX_TOKENS = 16
+PAGE_SIZE = 16  # tokens per page (SGLang's default is 1)
+CHUNK = 256  # P1's --chunked-prefill-size; prompts are 50-800 tokens
+LEASE_S = 10.0  # D gives up a room its prefill stopped pushing after this (then the fence)
+SETTLE_S = 180.0  # a fault's pages come back within: lease + fence (35 s) + SGLang's timeouts
 
 
-@pytest.fixture(scope="module")
-def fleet():
-    with workspace("kvops-sglang") as (tmp, model, log_dir, sabotage):
-        env = serving_env(os.path.join(tmp, "plugin"))
-        with Servers(log_dir) as servers:
-            p = servers.add(SglangServerSpec("P", model, role="prefill", env=env))
-            d = servers.add(SglangServerSpec("D", model, role="decode", env=env))
-            servers.add(SglangServerSpec("ref", model, role="monolithic", env=env))
-            servers.add(SglangRouterSpec("router", [p], [d]))
-            servers.start_all(600)
-            yield servers, model, sabotage
-            problems = servers.stop_all()
-            assert not problems, problems
-
-
-def _complete(url: str, model: str, prompt: str) -> str:
-    """The answer's text, or what went wrong (which then differs from any answer)."""
-    # ignore_eos: the test model may sample its end token early (seen once: 2 tokens)
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True}
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as resp:
-            answer = json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return f"<HTTP {exc.code}: {exc.read()[:300]!r}>"
-    choice = answer["choices"][0]
-    if choice["finish_reason"] != "length":
-        return f"<finished by {choice['finish_reason']!r}: {answer}>"
-    return choice["text"]
-
-
-def _answers(url: str, model: str, prompts: List[str]) -> List[str]:
-    if not prompts:
-        return []
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda p: _complete(url, model, p), prompts))
-
-
-def _prompts(seed: int, n: int) -> List[str]:
-    rng = random.Random(seed)
-    return [random_prompt(rng.randint(50, 1500), 1024, rng) for _ in range(n)]
-
-
-_reference: Dict[str, str] = {}
-
-
-def _compare(fleet, seed: int, n: int = 8) -> List[int]:
-    """Indices of the prompts whose answer through the router differs from the
-    monolithic server's (n prompts sent at once)."""
-    servers, model, _ = fleet
-    prompts = _prompts(seed, n)
-    missing = [p for p in prompts if p not in _reference]
-    _reference.update(zip(missing, _answers(servers["ref"].url, model, missing)))
-    assert not [a for a in _reference.values() if a.startswith("<")], _reference
-    got = _answers(servers["router"].url, model, prompts)
-    differ = [i for i, (p, a) in enumerate(zip(prompts, got)) if a != _reference[p]]
-    print(f"\n[sglang] seed {seed}: {len(differ)} of {n} answers differ: "
-          + "; ".join(got[i][:120] for i in differ[:3]))
-    return differ
-
-
-def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_layer_by_layer(fleet):
-    servers = fleet[0]
-    assert _compare(fleet, seed=1) == []
-    assert _compare(fleet, seed=2) == []  # the pages of the first load are reused
-    p, d = prometheus.fetch(servers["P"].url), prometheus.fetch(servers["D"].url)
-
-    def count(samples, name, **labels):
-        return prometheus.total(samples, f"kvops_sglang_{name}_total", **labels)
-
-    # every chunk left in its forward, layer by layer (SGLang starts a prefill once its
-    # destination is known); none waited for the forward's end
-    assert count(p, "chunks", label="forward") >= 16
-    assert count(p, "chunks", label="after_forward") == 0
-    assert count(p, "rooms", label="success") >= 16 and count(p, "rooms", label="failed") == 0
-    assert count(d, "rooms", label="success") >= 16 and count(d, "rooms", label="failed") == 0
-    layers, early = count(p, "layers"), count(p, "layers_landed_during_forward")
-    print(f"\n[sglang] {early:.0f} of {layers:.0f} pushed layers landed before their forward ended")
-    assert layers > 0 and early > 0
-
-
-@pytest.mark.parametrize("mode", ["misplace", "drop"])
-def test_negative_control_misplaced_or_dropped_kv_changes_the_answers(fleet, mode):
-    _, _, sabotage = fleet
-    sabotage.set(mode)
-    try:
-        # prompts of their own: pages left by an earlier run of the same prompts would
-        # hold the right KV
-        differ = _compare(fleet, seed={"misplace": 3, "drop": 5}[mode])
-    finally:
-        sabotage.set()
-    assert len(differ) >= 6, f"{mode}: only prompts {differ} of 8 answered differently"
-    assert _compare(fleet, seed=4) == []  # and the fleet is whole again
+# the plugin's own tests first: they need no fleet (and run before it starts)
 
 
 def _in_sglang(code: str) -> subprocess.CompletedProcess:
@@ -163,3 +77,177 @@ def test_a_changed_sglang_internal_fails_loudly_at_start_up():
         "internals.check()\n")
     assert done.returncode != 0
     assert "CommonKVSender.send('pages', 'state') differs" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    with workspace("kvops-sglang") as (tmp, model, log_dir, sabotage):
+        env = dict(serving_env(os.path.join(tmp, "plugin")),
+                   KVOPS_SGLANG_CONFIG=json.dumps({"connector": {"lease_s": LEASE_S}}))
+        same = dict(env=env, page_size=PAGE_SIZE)
+        with Servers(log_dir) as servers:
+            p1 = servers.add(SglangServerSpec("P1", model, role="prefill",
+                                              extra_args=["--chunked-prefill-size", str(CHUNK)], **same))
+            p2 = servers.add(SglangServerSpec("P2", model, role="prefill", **same))
+            d = servers.add(SglangServerSpec("D", model, role="decode", **same))
+            servers.add(SglangServerSpec("ref", model, role="monolithic", **same))
+            servers.add(SglangRouterSpec("router", [p1, p2], [d]))
+            servers.start_all(600)
+            yield servers, model, sabotage
+            problems = servers.stop_all()
+            assert not problems, problems
+
+
+def _complete(url: str, model: str, prompt: str, timeout: float = 300.0) -> str:
+    """The answer's text, or what went wrong in <...> (which differs from any answer)."""
+    # ignore_eos: the test model may sample its end token early (seen once: 2 tokens)
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            answer = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return f"<HTTP {exc.code}: {exc.read()[:300]!r}>"
+    except OSError as exc:  # refused, reset, or this client gave up (timeout)
+        return f"<no answer: {exc!r}>"
+    choice = answer["choices"][0]
+    if choice["finish_reason"] != "length":
+        return f"<finished by {choice['finish_reason']!r}: {answer}>"
+    return choice["text"]
+
+
+def _answers(url: str, model: str, prompts: List[str], timeout: float = 300.0) -> List[str]:
+    if not prompts:
+        return []
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: _complete(url, model, p, timeout), prompts))
+
+
+def _prompts(seed: int, n: int) -> List[str]:
+    rng = random.Random(seed)
+    return [random_prompt(rng.randint(50, 800), 1024, rng) for _ in range(n)]
+
+
+_reference: Dict[str, str] = {}
+
+
+def _compare(fleet, seed: int, n: int = 8) -> List[int]:
+    """Indices of the prompts whose answer through the router differs from the
+    monolithic server's (n prompts sent at once)."""
+    servers, model, _ = fleet
+    prompts = _prompts(seed, n)
+    missing = [p for p in prompts if p not in _reference]
+    _reference.update(zip(missing, _answers(servers["ref"].url, model, missing)))
+    assert not [a for a in _reference.values() if a.startswith("<")], _reference
+    got = _answers(servers["router"].url, model, prompts)
+    differ = [i for i, (p, a) in enumerate(zip(prompts, got)) if a != _reference[p]]
+    print(f"\n[sglang] seed {seed}: {len(differ)} of {n} answers differ: "
+          + "; ".join(got[i][:120] for i in differ[:3]))
+    return differ
+
+
+def _count(samples, name: str, **labels) -> float:
+    return prometheus.total(samples, f"kvops_sglang_{name}_total", **labels)
+
+
+def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_layer_by_layer(fleet):
+    servers = fleet[0]
+    assert _compare(fleet, seed=1, n=16) == []
+    assert _compare(fleet, seed=2, n=16) == []  # the pages of the first load are reused
+    p1, p2, d = (prometheus.fetch(servers[name].url) for name in ("P1", "P2", "D"))
+    # the router spread the rooms over both prefill servers; each reached D whole
+    rooms = [_count(p, "rooms", label="success") for p in (p1, p2)]
+    assert min(rooms) >= 8 and sum(rooms) >= 32, rooms
+    assert _count(d, "rooms", label="success") >= 32
+    # D computed no prompt token: SGLang's own prefill counter on D stays at 0 (P's counts)
+    prefilled = [prometheus.total(s, "sglang:prefill_effective_tokens_total", mode="input")
+                 for s in (p1, p2, d)]
+    assert prefilled[2] == 0 and min(prefilled[:2]) > 0, prefilled
+    assert not any(_count(s, "rooms", label="failed") for s in (p1, p2, d))
+    # every chunk left in its forward, layer by layer (SGLang starts a prefill once its
+    # destination is known); none waited for the forward's end
+    for p in (p1, p2):
+        assert _count(p, "chunks", label="after_forward") == 0
+    # P1's rooms left in more chunks than rooms (prefill chunked by 256 tokens)
+    assert _count(p1, "chunks", label="forward") > rooms[0] + 8
+    layers = sum(_count(p, "layers") for p in (p1, p2))
+    early = sum(_count(p, "layers_landed_during_forward") for p in (p1, p2))
+    print(f"\n[sglang] {early:.0f} of {layers:.0f} pushed layers landed before their forward ended")
+    assert layers > 0 and early > 0
+
+
+@pytest.mark.parametrize("mode", ["misplace", "drop", "drop_layer"])
+def test_negative_control_misplaced_or_dropped_kv_changes_the_answers(fleet, mode):
+    _, _, sabotage = fleet
+    sabotage.set(mode)
+    try:
+        # prompts of their own: pages left by an earlier run of the same prompts would
+        # hold the right KV
+        differ = _compare(fleet, seed={"misplace": 3, "drop": 5, "drop_layer": 6}[mode])
+    finally:
+        sabotage.set()
+    assert len(differ) >= 6, f"{mode}: only prompts {differ} of 8 answered differently"
+    assert _compare(fleet, seed=4, n=4) == []  # and the fleet is whole again
+
+
+def _used_tokens(servers, names) -> Dict[str, float]:
+    return {n: prometheus.total(servers[n].metrics(), "sglang:kv_used_tokens") for n in names}
+
+
+def _pages_come_back(servers, names: List[str]) -> float:
+    """Seconds until no server of ``names`` holds a KV page of a request."""
+    start = time.monotonic()
+    while True:
+        used = _used_tokens(servers, names)
+        if not any(used.values()):
+            return time.monotonic() - start
+        if time.monotonic() - start > SETTLE_S:
+            raise AssertionError(f"KV pages still held {SETTLE_S:.0f} s after the fault: {used}")
+        time.sleep(1.0)
+
+
+def _when_pushing(server, timeout: float = 120.0) -> None:
+    """Return once the prefill ``server`` pushed a chunk more than when called."""
+    base, deadline = _count(server.metrics(), "chunks"), time.monotonic() + timeout
+    while _count(server.metrics(), "chunks") == base:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{server.name} pushed nothing in {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+FAULTS = {"kill_prefill": "P1", "kill_decode": "D", "client_disconnects": None}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_fault_fails_only_its_own_requests_and_every_page_comes_back(fleet, fault):
+    """A server killed while P1 pushes (SIGKILL of its process group), or clients that
+    hang up after 1 s: no answer is wrong (each is right or an error), every page on
+    the servers left comes back to SGLang, and the fleet answers right again (the
+    killed server restarted on its ports)."""
+    servers, model, _ = fleet
+    victim = FAULTS[fault]
+    prompts = _prompts(seed=10 + list(FAULTS).index(fault), n=8)
+    missing = [p for p in prompts if p not in _reference]
+    _reference.update(zip(missing, _answers(servers["ref"].url, model, missing)))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        load = pool.submit(_answers, servers["router"].url, model, prompts,
+                           1.0 if victim is None else 300.0)
+        if victim is not None:
+            _when_pushing(servers["P1"])
+            servers.kill(victim)
+        got = load.result()
+    failed = [i for i, a in enumerate(got) if a.startswith("<")]
+    wrong = [i for i, (p, a) in enumerate(zip(prompts, got)) if i not in failed and a != _reference[p]]
+    left = [n for n in ("P1", "P2", "D") if n != victim]
+    settled_s = _pages_come_back(servers, left)
+    print(f"\n[sglang] {fault}: {len(failed)} of 8 requests failed, {len(wrong)} wrong; pages of "
+          f"{left} back {settled_s:.0f} s after the load; first error: {[got[i][:160] for i in failed[:1]]}")
+    assert not wrong, [got[i] for i in wrong]
+    assert failed, "the fault hit no request: nothing was shown"
+    if victim is not None:
+        servers.restart(victim, 600)
+    assert _compare(fleet, seed=4, n=4) == []  # and the fleet is whole again
+    if victim == "P1":  # the restarted prefill server took its share of rooms
+        assert _count(servers["P1"].metrics(), "rooms", label="success") >= 1
