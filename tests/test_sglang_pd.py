@@ -82,8 +82,12 @@ def test_a_changed_sglang_internal_fails_loudly_at_start_up():
 @pytest.fixture(scope="module")
 def fleet():
     with workspace("kvops-sglang") as (tmp, model, log_dir, sabotage):
+        # SGLang's own waits for a peer that never comes (300 s each by default): a
+        # prefill server whose decode server died gives its rooms up after 60 s
         env = dict(serving_env(os.path.join(tmp, "plugin")),
-                   KVOPS_SGLANG_CONFIG=json.dumps({"connector": {"lease_s": LEASE_S}}))
+                   KVOPS_SGLANG_CONFIG=json.dumps({"connector": {"lease_s": LEASE_S}}),
+                   SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="60",
+                   SGLANG_DISAGGREGATION_WAITING_TIMEOUT="120")
         same = dict(env=env, page_size=PAGE_SIZE)
         with Servers(log_dir) as servers:
             p1 = servers.add(SglangServerSpec("P1", model, role="prefill",
@@ -91,7 +95,10 @@ def fleet():
             p2 = servers.add(SglangServerSpec("P2", model, role="prefill", **same))
             d = servers.add(SglangServerSpec("D", model, role="decode", **same))
             servers.add(SglangServerSpec("ref", model, role="monolithic", **same))
-            servers.add(SglangRouterSpec("router", [p1, p2], [d]))
+            # health checks every 5 s, an open circuit retried after 10 s (60 s each by
+            # default): a restarted server is back in the rotation within seconds
+            servers.add(SglangRouterSpec("router", [p1, p2], [d], extra_args=[
+                "--health-check-interval-secs", "5", "--cb-timeout-duration-secs", "10"]))
             servers.start_all(600)
             yield servers, model, sabotage
             problems = servers.stop_all()
@@ -217,23 +224,35 @@ def _when_pushing(server, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def _router_serves_again(servers, model: str, timeout: float = 120.0) -> None:
+    """Wait until the router has a server of each role in its rotation again (its
+    health checks passed: until then it answers 503)."""
+    deadline = time.monotonic() + timeout
+    while (answer := _complete(servers["router"].url, model, "a b c", 60.0)).startswith("<HTTP 503"):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the router still refuses requests {timeout:.0f} s after the "
+                                 f"restart: {answer[:300]}")
+        time.sleep(2.0)
+
+
 FAULTS = {"kill_prefill": "P1", "kill_decode": "D", "client_disconnects": None}
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_fault_fails_only_its_own_requests_and_every_page_comes_back(fleet, fault):
     """A server killed while P1 pushes (SIGKILL of its process group), or clients that
-    hang up after 1 s: no answer is wrong (each is right or an error), every page on
-    the servers left comes back to SGLang, and the fleet answers right again (the
-    killed server restarted on its ports)."""
+    hang up after 1 s: the fault fails rooms (or requests), no answer is wrong (each is
+    right or an error), every page on the servers left comes back to SGLang, and the
+    fleet answers right again (the killed server restarted on its ports)."""
     servers, model, _ = fleet
     victim = FAULTS[fault]
     prompts = _prompts(seed=10 + list(FAULTS).index(fault), n=8)
     missing = [p for p in prompts if p not in _reference]
     _reference.update(zip(missing, _answers(servers["ref"].url, model, missing)))
+    rooms_failed = {n: _count(servers[n].metrics(), "rooms", label="failed") for n in ("P1", "P2", "D")}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         load = pool.submit(_answers, servers["router"].url, model, prompts,
-                           1.0 if victim is None else 300.0)
+                           1.0 if victim is None else 240.0)
         if victim is not None:
             _when_pushing(servers["P1"])
             servers.kill(victim)
@@ -242,12 +261,23 @@ def test_a_fault_fails_only_its_own_requests_and_every_page_comes_back(fleet, fa
     wrong = [i for i, (p, a) in enumerate(zip(prompts, got)) if i not in failed and a != _reference[p]]
     left = [n for n in ("P1", "P2", "D") if n != victim]
     settled_s = _pages_come_back(servers, left)
-    print(f"\n[sglang] {fault}: {len(failed)} of 8 requests failed, {len(wrong)} wrong; pages of "
-          f"{left} back {settled_s:.0f} s after the load; first error: {[got[i][:160] for i in failed[:1]]}")
+    # the rooms the fault failed on the servers left (sglang-router retries a request
+    # whose transfer failed, so its client may never see the fault)
+    hit = {n: _count(servers[n].metrics(), "rooms", label="failed") - rooms_failed[n] for n in left}
+    print(f"\n[sglang] {fault}: {len(failed)} of 8 requests failed, {len(wrong)} wrong; rooms failed "
+          f"{hit}; pages of {left} back {settled_s:.0f} s after the load; first error: "
+          f"{[got[i][:160] for i in failed[:1]]}")
     assert not wrong, [got[i] for i in wrong]
-    assert failed, "the fault hit no request: nothing was shown"
+    assert failed or any(hit.values()), "the fault hit no request: nothing was shown"
     if victim is not None:
         servers.restart(victim, 600)
-    assert _compare(fleet, seed=4, n=4) == []  # and the fleet is whole again
-    if victim == "P1":  # the restarted prefill server took its share of rooms
-        assert _count(servers["P1"].metrics(), "rooms", label="success") >= 1
+        _router_serves_again(servers, model)
+    # the fleet is whole again; a restarted prefill server is back in the router's
+    # rotation (its health checks pass) and pushes its share of rooms
+    for attempt in range(8):
+        assert _compare(fleet, seed=4, n=4) == []
+        served = _count(servers["P1"].metrics(), "rooms", label="success")
+        if victim != "P1" or served:
+            break
+    print(f"[sglang] after the fault P1 pushed {served:.0f} rooms ({attempt + 1} loads)")
+    assert served >= 1

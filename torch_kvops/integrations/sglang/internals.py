@@ -52,6 +52,10 @@ SIGNATURES: Dict[str, List[str]] = {
     "CommonKVManager._make_worker_recv": ["socket", "timeout_ms"],
     "CommonKVManager._send_multipart_locked": ["endpoint", "parts", "is_ipv6"],
     "CommonKVManager.build_receiver_registration_message": [],
+    # decode: SGLang's heartbeat to each prefill's bootstrap server, and what it calls
+    # when one stops answering (the backend keeps its rooms for the connector's outcome)
+    "CommonKVManager._start_heartbeat_checker_thread": [],
+    "CommonKVManager._handle_node_failure": ["failed_bootstrap_addr"],
     "CommonKVManager.build_receiver_metadata_message": [
         "bootstrap_room", "required_dst_info_num", "kv_indices", "aux_index", "state_indices",
         "decode_prefix_len", "is_dummy", "device_kv_indices"],
@@ -66,7 +70,8 @@ SIGNATURES: Dict[str, List[str]] = {
 }
 # attributes of a CommonKVManager instance the backend reads
 MANAGER_ATTRIBUTES = ("kv_args", "local_ip", "rank_port", "server_socket", "request_status",
-                      "transfer_infos", "req_to_decode_prefix_len", "attn_tp_size")
+                      "transfer_infos", "req_to_decode_prefix_len", "attn_tp_size",
+                      "connection_lock", "addr_to_rooms_tracker")
 # KVPoll values the backend reports
 POLL_STATES = ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")
 

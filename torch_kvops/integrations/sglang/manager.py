@@ -94,6 +94,11 @@ class KvopsKVManager(sgl.CommonKVManager):
             threads.append(("push", self._push_loop))
         for name, target in threads:
             threading.Thread(target=target, name=f"kvops-sglang-{name}", daemon=True).start()
+        if not self.prefill:
+            # SGLang's heartbeat to the prefill servers' bootstrap (as its own backends
+            # run it): one that stops answering loses its cached connection details, so
+            # a restarted prefill server is looked up afresh (_handle_node_failure)
+            self._start_heartbeat_checker_thread()
         log.info("kvops %s rank %s: %d KV buffers of %d pages", "prefill" if self.prefill
                  else "decode", self.kv_args.engine_rank, len(self.caches), self.caches[0].size(0))
 
@@ -295,6 +300,19 @@ class KvopsKVManager(sgl.CommonKVManager):
         (self.layerwise or self.rooms).forget(room)
         with self._lock:
             self._prefill_parts.pop(room, None)
+
+    def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
+        """Decode: a prefill server's bootstrap stopped answering SGLang's heartbeat.
+        SGLang's own handling drops its cached connection details (a restarted prefill
+        server gets its new ports looked up) and fails its rooms at once; here its rooms
+        are taken out first, so each ends with the connector's outcome instead (its
+        lease, or the fence once that prefill began it): the prefill may be cut off,
+        not dead, and its writes could still land in pages failed at once."""
+        with self.connection_lock:
+            kept = self.addr_to_rooms_tracker.pop(failed_bootstrap_addr, set())
+        log.warning("prefill server %s stopped answering: its %d rooms end with their transfers' "
+                    "outcome", failed_bootstrap_addr, len(kept))
+        super()._handle_node_failure(failed_bootstrap_addr)
 
     def _on_decode_message(self, msg: List[bytes]) -> None:
         if msg[0] != METADATA_ROW:
