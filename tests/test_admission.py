@@ -71,11 +71,13 @@ def test_a_begin_for_a_request_nobody_expected_writes_nothing(producer, wait_s):
 BEHIND = dict(FAST, transfer_timeout_s=1.0, lease_s=1.5, begin_timeout_s=5.0)
 
 
-@pytest.mark.parametrize("producer,behind_s,settings", [(FAST, 0.3, FAST), (BEHIND, 2.0, BEHIND)],
+@pytest.mark.parametrize("producer,behind_s,settings,hold_s",
+                         [(FAST, 0.3, FAST, 2.0), (BEHIND, 2.0, BEHIND, 4.0)],
                          ids=["one_step_behind", "behind_the_timeouts"], indirect=["producer"])
-def test_a_begin_ahead_of_the_engines_expect_waits_for_it_and_lands(producer, behind_s, settings):
+def test_a_begin_ahead_of_the_engines_expect_waits_for_it_and_lands(producer, behind_s, settings,
+                                                                    hold_s):
     conn, caches = producer
-    consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, begin_waits_for_expect_s=4.0, **settings)
+    consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, begin_waits_for_expect_s=hold_s, **settings)
     try:
         peer = conn.add_peer(consumer.info)
         conn.start_step([TransferRequest("late", peer, [3, 4], [9, 10])])  # the begin goes out now
@@ -97,3 +99,5 @@ def test_a_begin_ahead_of_the_engines_expect_waits_for_it_and_lands(producer, be
 def test_the_wait_must_be_shorter_than_the_producers_answer_timeout():
     with pytest.raises(ValueError, match="begin_waits_for_expect_s"):
         ConnectorConfig(begin_timeout_s=1.0, begin_waits_for_expect_s=1.5)
+    with pytest.raises(ValueError, match="begin_waits_for_expect_s"):  # no begin_timeout_s
+        ConnectorConfig(transfer_timeout_s=1.0, begin_waits_for_expect_s=1.5)

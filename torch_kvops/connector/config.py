@@ -44,8 +44,9 @@ class ConnectorConfig:
     # after, and rejects it then (consumer_admission.py). Below begin_timeout_s.
     begin_waits_for_expect_s: Optional[float] = None
     # producer: how long it waits for the answer to a begin, which a consumer may hold
-    # up to its begin_waits_for_expect_s (its engine may be a few steps behind)
-    begin_timeout_s: float = 15.0
+    # up to its begin_waits_for_expect_s (its engine may be a few steps behind); None:
+    # transfer_timeout_s. The engine adapters, whose consumers hold, set 15 s.
+    begin_timeout_s: Optional[float] = None
     quarantine_s: float = 1.0  # a write that failed may still land late (Mooncake#4247)
     # The fence (docs/connector.md, "The fence"). Consumer: a request it gives up on
     # while its producer may still have writes in the transport (lease expired, the
@@ -79,13 +80,18 @@ class ConnectorConfig:
         if self.fence_drain_s < 0:
             raise ValueError(f"fence_drain_s must be >= 0, got {self.fence_drain_s}")
         wait = self.begin_waits_for_expect_s
-        if wait is not None and not 0 <= wait < self.begin_timeout_s:
+        if wait is not None and not 0 <= wait < self.begin_answer_timeout_s:
             raise ValueError(f"begin_waits_for_expect_s must be None or in [0, begin_timeout_s="
-                             f"{self.begin_timeout_s}) (the producer waits that long for an "
+                             f"{self.begin_answer_timeout_s}) (the producer waits that long for an "
                              f"answer), got {wait!r}")
         if self.staging_slots < 2:
             raise ValueError("staging_slots must be >= 2: one slot group is gathered while the "
                              f"other is on the wire, got {self.staging_slots}")
+
+    @property
+    def begin_answer_timeout_s(self) -> float:
+        """How long a producer waits for the answer to a begin."""
+        return self.transfer_timeout_s if self.begin_timeout_s is None else self.begin_timeout_s
 
     @property
     def integrity_mode(self) -> str:

@@ -81,7 +81,8 @@ class PeerLink:
         self.write_until = 0.0
         self.send({"op": "begin", "reqs": list(dst_blocks),
                    "dst": {req_id: dst.tolist() for req_id, dst in dst_blocks.items()}})
-        answer = self._receive_until(lambda m: m.get("op") == "begun", self._config.begin_timeout_s)
+        answer = self._receive_until(lambda m: m.get("op") == "begun",
+                                     self._config.begin_answer_timeout_s)
         if answer is None:
             # a late answer would be taken for the next begin's: the channel is out of
             # step, so the link is given up (and connected again later, afresh)

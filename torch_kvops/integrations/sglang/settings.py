@@ -45,5 +45,6 @@ class KvopsSglangSettings:
         fields_ = dict(self.connector)
         # D expects every request before P may begin it: a begin ahead of its expect
         # waits that long, then is refused (connector/consumer_admission.py)
-        fields_.setdefault("begin_waits_for_expect_s", 10.0)  # below begin_timeout_s (15 s)
+        fields_.setdefault("begin_timeout_s", 15.0)  # P waits that long for begin's answer
+        fields_.setdefault("begin_waits_for_expect_s", 10.0)
         return ConnectorConfig(**fields_)

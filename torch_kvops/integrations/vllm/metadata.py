@@ -21,6 +21,7 @@ PUSH_MODES = ("layerwise", "after_forward")
 SIDE_CHANNEL_PORT_ENV = "KVOPS_SIDE_CHANNEL_PORT"
 DEFAULT_SIDE_CHANNEL_PORT = 8999
 BEGIN_WAITS_FOR_EXPECT_S = 10.0  # D: how long a begin waits for its request's expect()
+BEGIN_TIMEOUT_S = 15.0  # P: how long it waits for the answer to a begin (D may hold it)
 # kv_connector_extra_config keys of vLLM's MooncakeConnector -> ours
 MOONCAKE_CONNECTOR_ALIASES = {"mooncake_protocol": "protocol"}
 
@@ -226,10 +227,12 @@ class KvopsSettings:
 
     def connector_config(self) -> ConnectorConfig:
         fields = dict({"step_timeout_s": self.step_timeout_s}, **self.connector)
+        fields.setdefault("begin_timeout_s", BEGIN_TIMEOUT_S)
         if "begin_waits_for_expect_s" not in fields:
             # D's engine expects every request it receives: a begin for one it never
             # expected is held for its expect(), then rejected (consumer_admission.py)
-            answer_s = fields.get("begin_timeout_s", ConnectorConfig.begin_timeout_s)
+            answer_s = fields["begin_timeout_s"] or fields.get("transfer_timeout_s",
+                                                               ConnectorConfig.transfer_timeout_s)
             fields["begin_waits_for_expect_s"] = min(BEGIN_WAITS_FOR_EXPECT_S, 0.8 * answer_s)
         return ConnectorConfig(**fields)
 
