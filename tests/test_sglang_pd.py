@@ -37,7 +37,6 @@ from sglang_sabotage import serving_env
 MAX_TOKENS = 16
 PAGE_SIZE = 16  # tokens per page (SGLang's default is 1)
 CHUNK = 256  # P1's --chunked-prefill-size; prompts are 50-800 tokens
-LEASE_S = 10.0  # D gives up a room its prefill stopped pushing after this (then the fence)
 SETTLE_S = 180.0  # a fault's pages come back within: lease + fence (35 s) + SGLang's timeouts
 
 
@@ -85,7 +84,6 @@ def fleet():
         # SGLang's own waits for a peer that never comes (300 s each by default): a
         # prefill server whose decode server died gives its rooms up after 60 s
         env = dict(serving_env(os.path.join(tmp, "plugin")),
-                   KVOPS_SGLANG_CONFIG=json.dumps({"connector": {"lease_s": LEASE_S}}),
                    SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="60",
                    SGLANG_DISAGGREGATION_WAITING_TIMEOUT="120")
         same = dict(env=env, page_size=PAGE_SIZE)
