@@ -277,7 +277,21 @@ class KvopsKVManager(sgl.CommonKVManager):
                     self.save_buffer(index)
 
     def _abort(self, room: int, reason: str) -> None:
-        if not self.conn.abort(str(room), reason):  # not in flight: nothing can read its pages
+        """Push thread: fail a room the engine or the decode side dropped. The step a
+        forward started may still be sending: the abort waits for its end."""
+        with self.step_lock:
+            try:
+                self.conn.wait_for_save(self.conn.config.step_timeout_s)
+            except TimeoutError:
+                log.warning("kvops: room %d's abort waits for a step still sending", room)
+                self._pushes.put(("abort", room, reason))
+                return
+            except RuntimeError as exc:  # the sender failed: it reads no page any more
+                log.error("kvops: room %d aborted with the sender down: %s", room, exc)
+                in_flight = False
+            else:
+                in_flight = self.conn.abort(str(room), reason)
+        if not in_flight:  # nothing can read its pages
             self._fail(room, reason)
 
     # ------------------------------------------------------------- decode side

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -228,13 +228,13 @@ class KvopsSettings:
     def connector_config(self) -> ConnectorConfig:
         fields = dict({"step_timeout_s": self.step_timeout_s}, **self.connector)
         fields.setdefault("begin_timeout_s", BEGIN_TIMEOUT_S)
-        if "begin_waits_for_expect_s" not in fields:
-            # D's engine expects every request it receives: a begin for one it never
-            # expected is held for its expect(), then rejected (consumer_admission.py)
-            answer_s = fields["begin_timeout_s"] or fields.get("transfer_timeout_s",
-                                                               ConnectorConfig.transfer_timeout_s)
-            fields["begin_waits_for_expect_s"] = min(BEGIN_WAITS_FOR_EXPECT_S, 0.8 * answer_s)
-        return ConnectorConfig(**fields)
+        config = ConnectorConfig(**fields)
+        if "begin_waits_for_expect_s" in fields:
+            return config
+        # D's engine expects every request it receives: a begin for one it never
+        # expected is held for its expect(), then rejected (consumer_admission.py)
+        return replace(config, begin_waits_for_expect_s=min(
+            BEGIN_WAITS_FOR_EXPECT_S, 0.8 * config.begin_answer_timeout_s))
 
     def save_wait_s(self) -> float:
         """How long wait_for_save waits: the sender's step bound, plus a write already
