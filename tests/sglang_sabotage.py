@@ -11,6 +11,8 @@ test's ``vllm_sabotage.Switch`` writes it), in the prefill server:
 - ``drop``: the transport reports every write done and moves no byte.
 - ``drop_layer``: the writes of one KV buffer (the keys of layer 1) move no byte (the
   transport reports success); every other layer arrives.
+- ``no_renewal`` (in the decode server): the prefill servers' notices of the rooms they
+  still owe are dropped, so no lease is renewed while a room waits in a prefill queue.
 """
 import os
 
@@ -29,11 +31,12 @@ def serving_env(directory: str) -> dict:
 
 def install() -> None:
     from torch_kvops.connector.peer import PeerLink
-    from torch_kvops.integrations.sglang.manager import KvopsKVManager
+    from torch_kvops.integrations.sglang.manager import STILL_OWED, KvopsKVManager
+    from torch_kvops.integrations.sglang.push_queue import PushQueue
     from torch_kvops.transports.mooncake import MooncakeTransport
 
     ready_destinations = KvopsKVManager.ready_destinations
-    run = KvopsKVManager._run
+    run = PushQueue._run
 
     def moved(dest):
         return type(dest)(dest.peer, dest.endpoint, dest.pages + len(dest.pages), dest.aux_index)
@@ -44,14 +47,15 @@ def install() -> None:
 
     def sabotaged_run(self, batch):  # the push after the forward
         if "misplace" in modes():
+            infos = self.manager.transfer_infos
             for room in {item[1] for item in batch if item[0] == "push"}:
-                for session, dest in list((self.transfer_infos.get(room) or {}).items()):
+                for session, dest in list((infos.get(room) or {}).items()):
                     if dest is not None:
-                        self.transfer_infos[room][session] = moved(dest)
+                        infos[room][session] = moved(dest)
         run(self, batch)
 
     KvopsKVManager.ready_destinations = sabotaged_ready_destinations
-    KvopsKVManager._run = sabotaged_run
+    PushQueue._run = sabotaged_run
     write = MooncakeTransport.write
 
     def sabotaged_write(self, peer, src, dst, lengths, **kwargs):
@@ -68,3 +72,11 @@ def install() -> None:
         return write_layer(self, layer, *args, **kwargs)
 
     PeerLink.write_layer = sabotaged_write_layer
+    on_decode_message = KvopsKVManager._on_decode_message
+
+    def sabotaged_on_decode_message(self, msg):
+        if "no_renewal" in modes() and msg[0] == STILL_OWED:
+            return None
+        return on_decode_message(self, msg)
+
+    KvopsKVManager._on_decode_message = sabotaged_on_decode_message

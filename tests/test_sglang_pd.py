@@ -37,7 +37,11 @@ from sglang_sabotage import serving_env
 MAX_TOKENS = 16
 PAGE_SIZE = 16  # tokens per page (SGLang's default is 1)
 CHUNK = 256  # P1's --chunked-prefill-size; prompts are 50-800 tokens
-SETTLE_S = 180.0  # a fault's pages come back within: lease + fence (35 s) + SGLang's timeouts
+# D's lease, shorter than a room's wait in a loaded prefill queue: it outlives the wait
+# only by the prefill servers' notices of the rooms they owe (every OWED_NOTICE_S)
+LEASE_S = 6.0
+OWED_NOTICE_S = 1.0
+SETTLE_S = 180.0  # a fault's pages come back within: lease + fence + SGLang's timeouts
 
 
 # the plugin's own tests first: they need no fleet (and run before it starts)
@@ -85,7 +89,9 @@ def fleet():
         # prefill server whose decode server died gives its rooms up after 60 s
         env = dict(serving_env(os.path.join(tmp, "plugin")),
                    SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="60",
-                   SGLANG_DISAGGREGATION_WAITING_TIMEOUT="120")
+                   SGLANG_DISAGGREGATION_WAITING_TIMEOUT="120",
+                   KVOPS_SGLANG_CONFIG=json.dumps({"owed_notice_s": OWED_NOTICE_S,
+                                                   "connector": {"lease_s": LEASE_S}}))
         same = dict(env=env, page_size=PAGE_SIZE)
         with Servers(log_dir) as servers:
             p1 = servers.add(SglangServerSpec("P1", model, role="prefill",
@@ -171,6 +177,8 @@ def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_layer_by_
                  for s in (p1, p2, d)]
     assert prefilled[2] == 0 and min(prefilled[:2]) > 0, prefilled
     assert not any(_count(s, "rooms", label="failed") for s in (p1, p2, d))
+    # rooms waited in the prefill queues; their leases were renewed while they did
+    assert _count(d, "lease_renewals") > 0
     # every chunk left in its forward, layer by layer (SGLang starts a prefill once its
     # destination is known); none waited for the forward's end
     for p in (p1, p2):
@@ -194,6 +202,30 @@ def test_negative_control_misplaced_or_dropped_kv_changes_the_answers(fleet, mod
     finally:
         sabotage.set()
     assert len(differ) >= 6, f"{mode}: only prompts {differ} of 8 answered differently"
+    assert _compare(fleet, seed=4, n=4) == []  # and the fleet is whole again
+
+
+def test_negative_control_without_renewals_a_long_prefill_queue_fails_rooms(fleet):
+    """D drops the prefill servers' notices of the rooms they owe: rooms that wait in a
+    prefill queue longer than D's lease fail there (never a wrong answer)."""
+    servers, model, sabotage = fleet
+    prompts = _prompts(seed=8, n=24)  # more than the main test's 16: the queues are longer
+    _reference.update(zip(prompts, _answers(servers["ref"].url, model, prompts)))
+    failed_before = _count(servers["D"].metrics(), "rooms", label="failed")
+    renewed_before = _count(servers["D"].metrics(), "lease_renewals")
+    sabotage.set("no_renewal")
+    try:
+        got = _answers(servers["router"].url, model, prompts)
+    finally:
+        sabotage.set()
+    d = servers["D"].metrics()
+    failed = _count(d, "rooms", label="failed") - failed_before
+    print(f"\n[sglang] no renewals: {failed:.0f} of 24 rooms failed on D; "
+          f"{len([a for a in got if a.startswith('<')])} requests failed")
+    assert _count(d, "lease_renewals") == renewed_before
+    assert not [a for p, a in zip(prompts, got) if not a.startswith("<") and a != _reference[p]]
+    assert failed >= 1, "every room reached D within its lease: the control shows nothing"
+    _pages_come_back(servers, ["P1", "P2", "D"])
     assert _compare(fleet, seed=4, n=4) == []  # and the fleet is whole again
 
 

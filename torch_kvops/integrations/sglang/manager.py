@@ -16,17 +16,18 @@ sets a room's status only from the connector's outcomes:
 
 What runs where: the forward pushes each layer as it is written (:mod:`.layerwise`);
 SGLang's scheduler thread calls ``add_transfer_request`` (queues); ``kvops-sglang-push``
-sends metadata rows and pushes what the forward did not; ``kvops-sglang-recv``
-reads this rank's ZMQ socket; ``kvops-sglang-outcome`` turns connector outcomes into
-room statuses. Threads are daemons, as SGLang's own backends' are: they live as long
-as the scheduler process.
+sends metadata rows and pushes what the forward did not (:mod:`.push_queue`);
+``kvops-sglang-recv`` reads this rank's ZMQ socket; ``kvops-sglang-outcome`` turns
+connector outcomes into room statuses; ``kvops-sglang-owed`` (prefill) tells decode
+ranks which rooms it still owes, so their leases outlive a long prefill queue. Threads
+are daemons, as SGLang's own backends' are: they live as long as the scheduler process.
 """
 from __future__ import annotations
 
 import json
 import logging
-import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Set
 
@@ -40,13 +41,14 @@ from . import internals as sgl
 from .decode_rooms import DecodeRooms
 from .layerwise import LayerwisePrefill
 from .metrics import Counts
-from .pages import page_views, read_rows
+from .pages import page_views
+from .push_queue import METADATA_ROW, PushQueue
 from .settings import KvopsSglangSettings
 
 log = logging.getLogger(__name__)
 
 REGISTRATION = b"None"  # first frame of a decode rank's registration (SGLang's convention)
-METADATA_ROW = b"KVOPS_AUX"  # prefill -> decode: a room's metadata row
+STILL_OWED = b"KVOPS_OWED"  # prefill -> decode: the rooms it still owes that decode rank
 
 
 @dataclass(frozen=True)
@@ -82,16 +84,16 @@ class KvopsKVManager(sgl.CommonKVManager):
         self.step_lock = threading.Lock()  # one connector step at a time: forward or push thread
         self._peers: Dict[str, str] = {}  # prefill: decode session -> connector peer id
         self._prefill_parts: Dict[int, Set[str]] = {}  # prefill: room -> "kv", "row" done
-        self._pushes: "queue.Queue[tuple]" = queue.Queue()
+        self.pushes = PushQueue(self)
         self.layerwise = self.rooms = None
         if self.prefill:
             self.layerwise = LayerwisePrefill(self, args.page_size, len(self.caches) // 2)
             self.layerwise.install()
         else:
-            self.rooms = DecodeRooms(args, self._decode_success, self._fail)
+            self.rooms = DecodeRooms(args, self._decode_success, self.fail)
         threads = [("recv", self._recv_loop), ("outcome", self._outcome_loop)]
         if self.prefill:
-            threads.append(("push", self._push_loop))
+            threads += [("push", self.pushes.work), ("owed", self._owed_loop)]
         for name, target in threads:
             threading.Thread(target=target, name=f"kvops-sglang-{name}", daemon=True).start()
         if not self.prefill:
@@ -153,7 +155,7 @@ class KvopsKVManager(sgl.CommonKVManager):
         if msg[0] == sgl.ABORT_TAG:
             notice = sgl.AbortNotification.from_zmq(msg)
             if notice is not None:
-                self._pushes.put(("abort", notice.room, "the decode side aborted it"))
+                self.pushes.abort(notice.room, "the decode side aborted it")
             return
         if msg[0] == REGISTRATION:
             session, info = msg[3].decode(), json.loads(msg[4])
@@ -194,8 +196,8 @@ class KvopsKVManager(sgl.CommonKVManager):
         if done > 0:  # the forward pushed these (or some): the rest, and the metadata row
             pages, index_slice = pages[done:], slice(index_slice.start + done, index_slice.stop)
         last = bool(is_last_chunk)
-        self._pushes.put(("push", bootstrap_room, pages, index_slice, last, aux_index,
-                          last and self.layerwise.pushed_last(bootstrap_room)))
+        self.pushes.push(bootstrap_room, pages, index_slice, last, aux_index,
+                         last and self.layerwise.pushed_last(bootstrap_room))
 
     def ready_destinations(self, room: int) -> List[Destination]:
         """A room's destinations once all arrived (none with a decode-side prefix: its
@@ -203,9 +205,9 @@ class KvopsKVManager(sgl.CommonKVManager):
         if self.request_status.get(room) != sgl.KVPoll.WaitingForInput \
                 or self.req_to_decode_prefix_len.get(room, 0):
             return []
-        return self._destinations(room)
+        return self.destinations(room)
 
-    def _destinations(self, room: int) -> List[Destination]:
+    def destinations(self, room: int) -> List[Destination]:
         return [d for d in (self.transfer_infos.get(room) or {}).values() if d]
 
     def start_step(self, requests: List[TransferRequest]) -> bool:
@@ -220,79 +222,14 @@ class KvopsKVManager(sgl.CommonKVManager):
             return True
         except (ValueError, RuntimeError, TimeoutError) as exc:
             for room in {int(r.req_id) for r in requests}:
-                self._fail(room, f"kvops push not started: {exc}")
+                self.fail(room, f"kvops push not started: {exc}")
             return False
 
     def save_buffer(self, index: int) -> None:
         self.conn.save_kv_layer(index, self.caches[index])
 
     def abort_room(self, room: int, reason: str) -> None:
-        self._pushes.put(("abort", room, reason))
-
-    def _push_loop(self) -> None:
-        while True:
-            batch = [self._pushes.get()]
-            while True:  # one connector step for everything queued
-                try:
-                    batch.append(self._pushes.get_nowait())
-                except queue.Empty:
-                    break
-            self._run(batch)
-
-    def _run(self, batch: List[tuple]) -> None:
-        requests: List[TransferRequest] = []
-        rooms: Set[int] = set()
-        for item in batch:
-            if item[0] == "abort":
-                self._abort(item[1], item[2])
-                continue
-            _, room, pages, index_slice, last, aux_index, last_pushed = item
-            if room in rooms:  # a room's next chunk goes in the next step
-                self._pushes.put(item)
-                continue
-            destinations = self._destinations(room)
-            try:
-                if last and aux_index is not None:
-                    rows = read_rows(self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens,
-                                     aux_index)
-                    for dest in destinations:
-                        self._send_multipart_locked(dest.endpoint,
-                                                    [METADATA_ROW, str(room).encode(), *rows])
-            except zmq.ZMQError as exc:
-                self._fail(room, f"the metadata row did not reach the decode side: {exc}")
-                continue
-            if last:
-                self._prefill_part_done(room, "row")
-            if len(pages) or (last and not last_pushed):  # an empty last chunk still ends it
-                requests += [TransferRequest(str(room), dest.peer, pages.tolist(),
-                                             dest.pages[index_slice].tolist(), last_chunk=last)
-                             for dest in destinations]
-            rooms.add(room)
-        if not requests:
-            return
-        with self.step_lock:
-            if self.start_step(requests):
-                self.counts.add("kvops_sglang_chunks", len(requests), "after_forward")
-                for index in range(len(self.caches)):
-                    self.save_buffer(index)
-
-    def _abort(self, room: int, reason: str) -> None:
-        """Push thread: fail a room the engine or the decode side dropped. The step a
-        forward started may still be sending: the abort waits for its end."""
-        with self.step_lock:
-            try:
-                self.conn.wait_for_save(self.conn.config.step_timeout_s)
-            except TimeoutError:
-                log.warning("kvops: room %d's abort waits for a step still sending", room)
-                self._pushes.put(("abort", room, reason))
-                return
-            except RuntimeError as exc:  # the sender failed: it reads no page any more
-                log.error("kvops: room %d aborted with the sender down: %s", room, exc)
-                in_flight = False
-            else:
-                in_flight = self.conn.abort(str(room), reason)
-        if not in_flight:  # nothing can read its pages
-            self._fail(room, reason)
+        self.pushes.abort(room, reason)
 
     # ------------------------------------------------------------- decode side
 
@@ -301,7 +238,7 @@ class KvopsKVManager(sgl.CommonKVManager):
         destination message goes out)."""
         self.rooms.expect(room, aux_index)
         if not self.conn.expect(str(room)):
-            self._fail(room, f"room {room} was already transferred here once (a room id is "
+            self.fail(room, f"room {room} was already transferred here once (a room id is "
                              "used once)")
 
     def give_up(self, room: int) -> None:
@@ -329,9 +266,34 @@ class KvopsKVManager(sgl.CommonKVManager):
         super()._handle_node_failure(failed_bootstrap_addr)
 
     def _on_decode_message(self, msg: List[bytes]) -> None:
+        if msg[0] == STILL_OWED:
+            rooms = json.loads(msg[1])
+            if not isinstance(rooms, list) or not all(isinstance(r, int) for r in rooms):
+                raise ValueError("a list of owed rooms that is not a list of room ids")
+            renewed = [r for r in rooms if self.conn.renew(str(r))]
+            self.counts.add("kvops_sglang_lease_renewals", len(renewed))
+            return
         if msg[0] != METADATA_ROW:
             raise ValueError(f"unexpected message {msg[0][:16]!r}")
         self.rooms.row_arrived(int(msg[1]), msg[2:])
+
+    def _owed_loop(self) -> None:
+        """Prefill: every ``owed_notice_s``, tell each decode rank the rooms this
+        server accepted and has not ended (queued for prefill, or pushing), so their
+        leases there outlive a long queue. A prefill that stops telling (dead, frozen,
+        cut off) renews nothing: its rooms fail there when their leases end."""
+        while True:
+            time.sleep(self.settings.owed_notice_s)
+            owed: Dict[str, List[int]] = {}
+            for room, status in list(self.request_status.items()):
+                if status in (sgl.KVPoll.WaitingForInput, sgl.KVPoll.Transferring):
+                    for dest in self.destinations(room):
+                        owed.setdefault(dest.endpoint, []).append(room)
+            for endpoint, rooms in owed.items():
+                try:
+                    self._send_multipart_locked(endpoint, [STILL_OWED, json.dumps(rooms).encode()])
+                except zmq.ZMQError as exc:
+                    log.warning("kvops: the rooms owed to %s were not told: %s", endpoint, exc)
 
     # ------------------------------------------------------------- outcomes
 
@@ -342,17 +304,17 @@ class KvopsKVManager(sgl.CommonKVManager):
             for req_id in finished:
                 room = int(req_id)
                 if self.prefill:
-                    self._prefill_part_done(room, "kv")
+                    self.prefill_part_done(room, "kv")
                 else:
                     self.rooms.landed(room)
             for req_id in failed:
-                self._fail(int(req_id), "the kvops transfer failed (see the connector's log)")
+                self.fail(int(req_id), "the kvops transfer failed (see the connector's log)")
 
     def _decode_success(self, room: int) -> None:
         self.counts.add("kvops_sglang_rooms", 1, "success")
         self.update_status(room, sgl.KVPoll.Success)
 
-    def _prefill_part_done(self, room: int, part: str) -> None:
+    def prefill_part_done(self, room: int, part: str) -> None:
         """Prefill: a room is Success once its KV landed ("kv") and its metadata row
         went out ("row"): SGLang drops the room's destinations when it sees Success."""
         with self._lock:
@@ -365,7 +327,7 @@ class KvopsKVManager(sgl.CommonKVManager):
             self.counts.add("kvops_sglang_rooms", 1, "success")
             self.update_status(room, sgl.KVPoll.Success)
 
-    def _fail(self, room: int, reason: str) -> None:
+    def fail(self, room: int, reason: str) -> None:
         self.counts.add("kvops_sglang_rooms", 1, "failed")
         self.record_failure(room, reason)
         self.update_status(room, sgl.KVPoll.Failed)

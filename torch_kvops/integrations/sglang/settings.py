@@ -20,6 +20,10 @@ class KvopsSglangSettings:
 
     protocol: str = "tcp"
     device_name: str = ""
+    # prefill: how often it tells each decode server which of its rooms it still owes
+    # (queued for prefill, or pushing): the decode side renews their leases (never past
+    # the connector's max_wait_s), so a long prefill queue fails no room
+    owed_notice_s: float = 5.0
     connector: Dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
@@ -38,7 +42,10 @@ class KvopsSglangSettings:
         settings = KvopsSglangSettings(**raw)
         if settings.protocol not in ("tcp", "rdma"):
             raise ValueError(f"${CONFIG_ENV} protocol {settings.protocol!r} is not 'tcp' or 'rdma'")
-        settings.connector_config()  # unknown or bad connector fields fail at start-up
+        config = settings.connector_config()  # unknown or bad connector fields fail at start-up
+        if not 0 < settings.owed_notice_s < config.lease_s:
+            raise ValueError(f"${CONFIG_ENV} owed_notice_s must be in (0, lease_s="
+                             f"{config.lease_s}): a lease renewed less often than it lasts expires")
         return settings
 
     def connector_config(self) -> ConnectorConfig:

@@ -1,0 +1,45 @@
+"""The SGLang TTFT benchmark's arithmetic and its validity checks
+(torch_kvops/bench/sglang_ttft.py), on records written here: the bound, the ratios, and
+the runs it must refuse (an answer unlike the monolithic server's, a D that computed the
+prompt, a layer-wise P whose layers all landed after its forward)."""
+import pytest
+
+from torch_kvops.bench.sglang_ttft import check, render, summarize
+
+
+def _saved(kvops_answer="a b", decode_prefill=0.0, landed=30.0) -> dict:
+    records = []
+    for setup, ttft, answer in (("mono", 2.0, "a b"), ("mooncake", 3.0, "a b"), ("kvops", 2.2, kvops_answer)):
+        records += [{"setup": setup, "cycle": 0, "tokens": 1000, "prompt": i, "ttft_s": ttft + i / 10,
+                     "answer": answer} for i in range(3)]
+    records += [{"setup": "mooncake", "cycle": 0, "counters": {"decode_prefill_tokens": 0.0}},
+                {"setup": "kvops", "cycle": 0, "counters": {"decode_prefill_tokens": decode_prefill,
+                                                             "layers": 32.0,
+                                                             "layers_landed_during_forward": landed}}]
+    # 1000 tokens of 64 KiB at 0.5 Gbit/s: 1.05 s on the wire
+    return {"records": records, "link_bit_s": 0.5e9,
+            "model": {"kv_bytes_per_token": 65536, "num_hidden_layers": 16}}
+
+
+def test_the_bound_and_the_ratios():
+    (row,) = summarize(_saved())
+    assert row["wire_s"] == 1000 * 65536 * 8 / 0.5e9
+    assert [row[f"{s}_s"] for s in ("mono", "kvops", "mooncake")] == pytest.approx([2.1, 2.3, 3.1])
+    assert row["bound_s"] == pytest.approx(2.1)  # max(prefill, prefill / 16 + wire)
+    assert row["kvops_over_bound"] == pytest.approx(2.3 / 2.1)
+    assert row["kvops_below_mooncake"] == pytest.approx(1 - 2.3 / 3.1)
+    assert row["mono_range"] == pytest.approx([2.0, 2.2])
+    assert "| 1000 | 62 | 1.05 | 2.10 [2.00, 2.20] | 3.10 [3.00, 3.20] | 2.30 [2.20, 2.40] | 2.10 | 1.10 | 26% |" \
+        in render([row])
+
+
+def test_a_valid_run_has_no_problem():
+    assert check(_saved()) == []
+
+
+def test_a_wrong_answer_a_decode_prefill_or_no_overlap_invalidates_the_run():
+    wrong = check(_saved(kvops_answer="a c"))
+    assert len(wrong) == 3 and all("answered 'a c', the monolithic server 'a b'" in p for p in wrong)
+    (prefilled,) = check(_saved(decode_prefill=5.0))
+    assert prefilled.startswith("kvops cycle 0: D computed prompt tokens")
+    assert check(_saved(landed=0.0)) == ["kvops cycle 0: no layer landed during P's forward"]

@@ -1,0 +1,249 @@
+"""TTFT of SGLang prefill/decode disaggregation over an emulated link: this package's
+layer-wise ``kvops`` backend against SGLang's own ``mooncake`` backend (which sends a
+chunk's KV after its forward) and a monolithic SGLang server, in the same run (issue 35).
+
+    python -m torch_kvops.bench.sglang_ttft [--link 1gbit] [--prompt-lens 1000,2000,3000]
+
+The run re-runs itself inside a network namespace whose loopback is shaped to ``--link``
+(torch_kvops/emulated_link.py; needs root), so P's KV crosses the shaped link. Three
+setups, each ``python -m sglang.launch_server`` on CPU (SGLang 0.5.23 from
+``make setup-sglang``): ``mono`` (one server), ``kvops`` and ``mooncake`` (P, D and
+sglang-router in P/D mode). An idle SGLang scheduler polls its sockets without sleeping
+(a core each), so one setup runs at a time; the setups alternate in order over
+``--cycles`` starts each. Every request is a prompt of its own (no prefix cache hit),
+streamed; TTFT = the client's send -> the first token's chunk. Every answer is checked
+against the monolithic server's (greedy), and D's own prefill counter must stay at 0.
+
+*bound* = max(prefill, prefill / layers + wire) per prompt length, with prefill = the
+monolithic TTFT and wire = the prompt's KV bytes at the link's rate: the TTFT a push that
+hides all but the last layer's transfer reaches.
+
+SGLang's CPU engine needs two kernels of sgl_kernel that have no wheel on PyPI: the
+test-only stand-in (tests/sglang_standin, ``--standin``) is put on the servers' path.
+SGLang's mooncake backend records a ``torch.cuda.Event`` on P unless its sender's
+``supports_host_tensor_indices`` is off: a plugin written into the run's directory turns
+it off in that P (the CPU workaround of ../shared/FIELD-NOTES.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Dict, List, Optional
+
+from ..serving import prometheus
+from ..serving.model import random_prompt, write_serving_model
+from ..serving.servers import Servers
+from ..serving.sglang import REPO, SglangRouterSpec, SglangServerSpec
+from .serving_sweep import kv_bytes_per_token
+
+SETUPS = ("mono", "kvops", "mooncake")
+CPU_MOONCAKE_PLUGIN = '''def install():
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
+    MooncakeKVSender.supports_host_tensor_indices = False  # else a torch.cuda.Event on P
+'''
+
+
+def parse_args(argv: Optional[List[str]]):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--link", default="1gbit", help="emulated link RATE[,DELAY] (needs root)")
+    ap.add_argument("--prompt-lens", default="1000,2000,3000")
+    ap.add_argument("--rounds", type=int, default=3, help="timed prompts per length per start")
+    ap.add_argument("--cycles", type=int, default=2, help="starts of each setup, orders alternating")
+    ap.add_argument("--new-tokens", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per server")
+    ap.add_argument("--standin", default=os.path.join(REPO, "tests", "sglang_standin"),
+                    help="directory of the test-only sgl_kernel stand-in")
+    ap.add_argument("--out", default="sglang-ttft.json")
+    ap.add_argument("--start-timeout", type=float, default=600.0)
+    ap.add_argument("--link-timeout", type=float, default=3 * 3600.0)
+    return ap.parse_args(argv)
+
+
+def stream_ttft(url: str, model: str, prompt: str, new_tokens: int, timeout: float = 300.0):
+    """(TTFT s, the answer's text) of one streamed completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    start, first, text = time.monotonic(), None, []
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(f"streamed error: {event['error']}")
+            piece = event["choices"][0].get("text") or ""
+            if piece and first is None:
+                first = time.monotonic() - start
+            text.append(piece)
+    if first is None:
+        raise RuntimeError("the stream carried no token")
+    return first, "".join(text)
+
+
+def add_setups(servers: Servers, model: str, args, plugin_dir: str) -> Dict[str, List]:
+    env = {"PYTHONPATH": args.standin, "OMP_NUM_THREADS": str(args.threads)}
+    cpu_mooncake = dict(env, PYTHONPATH=os.pathsep.join([plugin_dir, args.standin]))
+    same = dict(page_size=16, max_total_tokens=8192)
+    fleets = {"mono": [servers.add(SglangServerSpec("mono", model, env=env, **same))]}
+    for backend in ("kvops", "mooncake"):
+        p = servers.add(SglangServerSpec(f"{backend}-P", model, role="prefill", transfer_backend=backend,
+                                         env=cpu_mooncake if backend == "mooncake" else env, **same))
+        d = servers.add(SglangServerSpec(f"{backend}-D", model, role="decode", transfer_backend=backend,
+                                         env=env, **same))
+        router = servers.add(SglangRouterSpec(f"{backend}-router", [p], [d]))
+        fleets[backend] = [p, d, router]
+    return fleets
+
+
+def write_plugin(directory: str) -> None:
+    """The CPU workaround for SGLang's mooncake backend, as an SGLang plugin."""
+    info = os.path.join(directory, "kvops_bench_cpu_mooncake-0.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(directory, "kvops_bench_cpu_mooncake.py"), "w") as f:
+        f.write(CPU_MOONCAKE_PLUGIN)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: kvops-bench-cpu-mooncake\nVersion: 0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write("[sglang.srt.plugins]\ncpu_mooncake = kvops_bench_cpu_mooncake:install\n")
+
+
+def run_setup(name: str, fleet: List, servers: Servers, model: str, prompts: Dict[int, List[str]],
+              args, cycle: int) -> List[dict]:
+    """Start one setup, warm it up, time its prompts, read its counters, stop it."""
+    engines = [s.name for s in fleet if s.spec.role != "proxy"]
+    servers.start(engines, args.start_timeout)
+    servers.start([s.name for s in fleet if s.spec.role == "proxy"], args.start_timeout)
+    front = fleet[-1]
+    rng = random.Random(f"warm-up {cycle}")
+    for n in prompts:  # first requests pay one-off costs
+        stream_ttft(front.url, model, random_prompt(n, args.vocab, rng), args.new_tokens)
+    records = []
+    for n, texts in prompts.items():
+        for i, prompt in enumerate(texts):
+            ttft, answer = stream_ttft(front.url, model, prompt, args.new_tokens)
+            records.append({"setup": name, "cycle": cycle, "tokens": n, "prompt": i,
+                            "ttft_s": ttft, "answer": answer})
+            print(f"[sglang-ttft] {name} cycle {cycle}: {n} tokens, TTFT {ttft:.3f} s",
+                  file=sys.stderr, flush=True)
+    if name != "mono":
+        p, d = (prometheus.fetch(s.url) for s in fleet[:2])
+        counters = {"decode_prefill_tokens": prometheus.total(
+            d, "sglang:prefill_effective_tokens_total", mode="input")}
+        if name == "kvops":
+            counters.update({k: prometheus.total(p, f"kvops_sglang_{k}_total")
+                             for k in ("layers", "layers_landed_during_forward")})
+        records.append({"setup": name, "cycle": cycle, "counters": counters})
+    for server in fleet[::-1]:
+        server.stop()
+    return records
+
+
+def summarize(saved: dict) -> List[dict]:
+    timed = [r for r in saved["records"] if "ttft_s" in r]
+    rows = []
+    for n in sorted({r["tokens"] for r in timed}):
+        ttft = {s: sorted(r["ttft_s"] for r in timed if r["setup"] == s and r["tokens"] == n)
+                for s in SETUPS}
+        med = {s: statistics.median(v) for s, v in ttft.items()}
+        wire = n * saved["model"]["kv_bytes_per_token"] * 8 / saved["link_bit_s"]
+        bound = max(med["mono"], med["mono"] / saved["model"]["num_hidden_layers"] + wire)
+        rows.append({"tokens": n, "kv_mib": n * saved["model"]["kv_bytes_per_token"] / 2**20,
+                     "wire_s": wire, "bound_s": bound,
+                     **{f"{s}_s": med[s] for s in SETUPS},
+                     **{f"{s}_range": [v[0], v[-1]] for s, v in ttft.items()},
+                     "kvops_over_bound": med["kvops"] / bound,
+                     "kvops_below_mooncake": 1 - med["kvops"] / med["mooncake"],
+                     "hidden_s": med["mooncake"] - med["kvops"]})
+    return rows
+
+
+def render(rows: List[dict]) -> str:
+    lines = ["| prompt tokens | KV MiB | wire s | TTFT monolithic s | P/D mooncake s | P/D kvops layer-wise s "
+             "| bound s | kvops / bound | kvops below mooncake | mooncake - kvops s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        cell = {s: f"{r[f'{s}_s']:.2f} [{r[f'{s}_range'][0]:.2f}, {r[f'{s}_range'][1]:.2f}]" for s in SETUPS}
+        lines.append(f"| {r['tokens']} | {r['kv_mib']:.0f} | {r['wire_s']:.2f} | {cell['mono']} | "
+                     f"{cell['mooncake']} | {cell['kvops']} | {r['bound_s']:.2f} | "
+                     f"{r['kvops_over_bound']:.2f} | {100 * r['kvops_below_mooncake']:.0f}% | "
+                     f"{r['hidden_s']:+.2f} |")
+    return "\n".join(lines)
+
+
+def _key(record: dict) -> tuple:
+    return record["cycle"], record["tokens"], record["prompt"]
+
+
+def check(saved: dict) -> List[str]:
+    """What makes the run invalid: an answer unlike the monolithic server's, a D that
+    computed prompt tokens, a kvops P whose layers never landed during its forward."""
+    timed = [r for r in saved["records"] if "ttft_s" in r]
+    reference = {_key(r): r["answer"] for r in timed if r["setup"] == "mono"}
+    problems = [f"{r['setup']} cycle {r['cycle']}: {r['tokens']} tokens #{r['prompt']} answered "
+                f"{r['answer']!r}, the monolithic server {reference[_key(r)]!r}"
+                for r in timed if r["answer"] != reference[_key(r)]]
+    for r in (r for r in saved["records"] if "counters" in r):
+        if r["counters"]["decode_prefill_tokens"]:
+            problems.append(f"{r['setup']} cycle {r['cycle']}: D computed prompt tokens: {r['counters']}")
+        if r["setup"] == "kvops" and not r["counters"]["layers_landed_during_forward"]:
+            problems.append(f"kvops cycle {r['cycle']}: no layer landed during P's forward")
+    return problems
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    from ..emulated_link import enter_link
+    link = enter_link(args.link, [sys.executable, "-m", "torch_kvops.bench.sglang_ttft", *argv],
+                      args.link_timeout)
+    lengths = [int(n) for n in args.prompt_lens.split(",") if n]
+    logs = tempfile.mkdtemp(prefix="kvops-sglang-ttft-logs-")
+    saved: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": vars(args),
+                   "link": link.text, "link_bit_s": link.rate_bit_s, "logs": logs, "records": []}
+    with tempfile.TemporaryDirectory(prefix="kvops-sglang-ttft-") as tmp:
+        model, plugin = os.path.join(tmp, "model"), os.path.join(tmp, "plugin")
+        config = write_serving_model(model, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                                     kv_heads=args.kv_heads, vocab=args.vocab,
+                                     max_len=max(lengths) + args.new_tokens + 64)
+        saved["model"] = dict(config, kv_bytes_per_token=kv_bytes_per_token(config))
+        write_plugin(plugin)
+        print(f"[sglang-ttft] {kv_bytes_per_token(config) // 1024} KiB of KV per token, link "
+              f"{link.text}; logs in {logs}", file=sys.stderr, flush=True)
+        with Servers(logs) as servers:
+            fleets = add_setups(servers, model, args, plugin)
+            for cycle in range(args.cycles):
+                rng = random.Random(cycle)  # the same prompts for every setup of a cycle
+                prompts = {n: [random_prompt(n, args.vocab, rng) for _ in range(args.rounds)]
+                           for n in lengths}
+                order = SETUPS if cycle % 2 == 0 else SETUPS[::-1]
+                for name in order:
+                    saved["records"] += run_setup(name, fleets[name], servers, model, prompts, args, cycle)
+                    with open(args.out, "w") as f:
+                        json.dump(saved, f, indent=1)
+    saved["rows"] = summarize(saved)
+    saved["problems"] = check(saved)
+    with open(args.out, "w") as f:
+        json.dump(saved, f, indent=1)
+    print(render(saved["rows"]))
+    for problem in saved["problems"]:
+        print(f"PROBLEM: {problem}")
+    return 1 if saved["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The prefill side's ``kvops-sglang-push`` thread: what a forward did not push (a
+chunk whose destination came after its forward began, a room's metadata row) and the
+aborts of rooms, in the order SGLang's scheduler and the decode side queued them."""
+from __future__ import annotations
+
+import logging
+import queue
+from typing import TYPE_CHECKING, List, Set
+
+import numpy as np
+import zmq
+
+from ...plan import TransferRequest
+from .pages import read_rows
+
+if TYPE_CHECKING:
+    from .manager import KvopsKVManager
+
+log = logging.getLogger(__name__)
+
+METADATA_ROW = b"KVOPS_AUX"  # prefill -> decode: a room's metadata row
+
+
+class PushQueue:
+    """Items are ``("push", room, pages, index_slice, last, aux_index, last_pushed)``
+    or ``("abort", room, reason)``; everything queued when the thread wakes goes in
+    one connector step (a room's next chunk in the step after)."""
+
+    def __init__(self, manager: "KvopsKVManager") -> None:
+        self.manager = manager
+        self._items: "queue.Queue[tuple]" = queue.Queue()
+
+    def push(self, room: int, pages: np.ndarray, index_slice: slice, last: bool, aux_index,
+             last_pushed: bool) -> None:
+        """Queue a chunk's pages (``last_pushed``: its forward pushed the last chunk's
+        pages already; the metadata row still goes)."""
+        self._items.put(("push", room, pages, index_slice, last, aux_index, last_pushed))
+
+    def abort(self, room: int, reason: str) -> None:
+        self._items.put(("abort", room, reason))
+
+    def work(self) -> None:
+        """The thread's loop."""
+        while True:
+            batch = [self._items.get()]
+            while True:
+                try:
+                    batch.append(self._items.get_nowait())
+                except queue.Empty:
+                    break
+            self._run(batch)
+
+    def _run(self, batch: List[tuple]) -> None:
+        m = self.manager
+        requests: List[TransferRequest] = []
+        rooms: Set[int] = set()
+        for item in batch:
+            if item[0] == "abort":
+                self._abort(item[1], item[2])
+                continue
+            _, room, pages, index_slice, last, aux_index, last_pushed = item
+            if room in rooms:  # a room's next chunk goes in the next step
+                self._items.put(item)
+                continue
+            destinations = m.destinations(room)
+            try:
+                if last and aux_index is not None:
+                    rows = read_rows(m.kv_args.aux_data_ptrs, m.kv_args.aux_item_lens, aux_index)
+                    for dest in destinations:
+                        m._send_multipart_locked(dest.endpoint, [METADATA_ROW, str(room).encode(), *rows])
+            except zmq.ZMQError as exc:
+                m.fail(room, f"the metadata row did not reach the decode side: {exc}")
+                continue
+            if last:
+                m.prefill_part_done(room, "row")
+            if len(pages) or (last and not last_pushed):  # an empty last chunk still ends it
+                requests += [TransferRequest(str(room), dest.peer, pages.tolist(),
+                                             dest.pages[index_slice].tolist(), last_chunk=last)
+                             for dest in destinations]
+            rooms.add(room)
+        if not requests:
+            return
+        with m.step_lock:
+            if m.start_step(requests):
+                m.counts.add("kvops_sglang_chunks", len(requests), "after_forward")
+                for index in range(len(m.caches)):
+                    m.save_buffer(index)
+
+    def _abort(self, room: int, reason: str) -> None:
+        """Fail a room the engine or the decode side dropped. The step a forward
+        started may still be sending: the abort waits for its end."""
+        m = self.manager
+        with m.step_lock:
+            try:
+                m.conn.wait_for_save(m.conn.config.step_timeout_s)
+            except TimeoutError:
+                log.warning("kvops: room %d's abort waits for a step still sending", room)
+                self._items.put(("abort", room, reason))
+                return
+            except RuntimeError as exc:  # the sender failed: it reads no page any more
+                log.error("kvops: room %d aborted with the sender down: %s", room, exc)
+                in_flight = False
+            else:
+                in_flight = m.conn.abort(str(room), reason)
+        if not in_flight:  # nothing can read its pages
+            m.fail(room, reason)
