@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from typing import Dict, List, Optional
 
@@ -122,6 +123,19 @@ def write_plugin(directory: str) -> None:
         f.write("[sglang.srt.plugins]\ncpu_mooncake = kvops_bench_cpu_mooncake:install\n")
 
 
+def _wait_for_workers(url: str, model: str, args, timeout: float = 120.0) -> None:
+    """sglang-router answers 503 until its first health check of P and D passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            stream_ttft(url, model, "w10 w11 w12", 1)
+            return
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
 def run_setup(name: str, fleet: List, servers: Servers, model: str, prompts: Dict[int, List[str]],
               args, cycle: int) -> List[dict]:
     """Start one setup, warm it up, time its prompts, read its counters, stop it."""
@@ -129,6 +143,8 @@ def run_setup(name: str, fleet: List, servers: Servers, model: str, prompts: Dic
     servers.start(engines, args.start_timeout)
     servers.start([s.name for s in fleet if s.spec.role == "proxy"], args.start_timeout)
     front = fleet[-1]
+    if name != "mono":
+        _wait_for_workers(front.url, model, args)
     rng = random.Random(f"warm-up {cycle}")
     for n in prompts:  # first requests pay one-off costs
         stream_ttft(front.url, model, random_prompt(n, args.vocab, rng), args.new_tokens)
