@@ -93,12 +93,9 @@ def plugin_env(directory: str, group: str, target: str) -> dict:
     """Environment that makes an engine load ``target`` (``module:function`` in this
     folder) as a plugin of entry point ``group``: a distribution's metadata written
     into ``directory``, which goes on PYTHONPATH with this file's folder."""
-    info = os.path.join(directory, "kvops_test_sabotage-0.dist-info")
-    os.makedirs(info, exist_ok=True)
-    with open(os.path.join(info, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: kvops-test-sabotage\nVersion: 0\n")
-    with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write(f"[{group}]\nkvops_test_sabotage = {target}\n")
+    from torch_kvops.serving.fronts import write_entry_point  # the test's process only
+
+    write_entry_point(directory, "kvops-test-sabotage", group, target)
     return {"PYTHONPATH": os.pathsep.join([directory, os.path.dirname(os.path.abspath(__file__))])}
 
 

@@ -39,6 +39,7 @@ import urllib.request
 from typing import Dict, List, Optional
 
 from ..serving import prometheus
+from ..serving.fronts import write_entry_point
 from ..serving.model import random_prompt, write_serving_model
 from ..serving.servers import Servers
 from ..serving.sglang import REPO, SglangRouterSpec, SglangServerSpec
@@ -113,17 +114,14 @@ def add_setups(servers: Servers, model: str, args, plugin_dir: str) -> Dict[str,
 
 def write_plugin(directory: str) -> None:
     """The CPU workaround for SGLang's mooncake backend, as an SGLang plugin."""
-    info = os.path.join(directory, "kvops_bench_cpu_mooncake-0.dist-info")
-    os.makedirs(info)
+    os.makedirs(directory)
     with open(os.path.join(directory, "kvops_bench_cpu_mooncake.py"), "w") as f:
         f.write(CPU_MOONCAKE_PLUGIN)
-    with open(os.path.join(info, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: kvops-bench-cpu-mooncake\nVersion: 0\n")
-    with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write("[sglang.srt.plugins]\ncpu_mooncake = kvops_bench_cpu_mooncake:install\n")
+    write_entry_point(directory, "kvops-bench-cpu-mooncake", "sglang.srt.plugins",
+                      "kvops_bench_cpu_mooncake:install")
 
 
-def _wait_for_workers(url: str, model: str, args, timeout: float = 120.0) -> None:
+def _wait_for_workers(url: str, model: str, timeout: float = 120.0) -> None:
     """sglang-router answers 503 until its first health check of P and D passed."""
     deadline = time.monotonic() + timeout
     while True:
@@ -144,7 +142,7 @@ def run_setup(name: str, fleet: List, servers: Servers, model: str, prompts: Dic
     servers.start([s.name for s in fleet if s.spec.role == "proxy"], args.start_timeout)
     front = fleet[-1]
     if name != "mono":
-        _wait_for_workers(front.url, model, args)
+        _wait_for_workers(front.url, model)
     rng = random.Random(f"warm-up {cycle}")
     for n in prompts:  # first requests pay one-off costs
         stream_ttft(front.url, model, random_prompt(n, args.vocab, rng), args.new_tokens)

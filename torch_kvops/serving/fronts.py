@@ -64,6 +64,18 @@ def with_python_path(env: Dict[str, str], *first: Optional[str]) -> Dict[str, st
     return env
 
 
+def write_entry_point(directory: str, distribution: str, group: str, target: str) -> None:
+    """Make ``target`` (``module:function``, the module in ``directory``) a plugin of the
+    entry-point ``group`` for a process with ``directory`` on its PYTHONPATH: the
+    metadata of a distribution called ``distribution``, written there."""
+    info = os.path.join(directory, f"{distribution.replace('-', '_')}-0.dist-info")
+    os.makedirs(info, exist_ok=True)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write(f"[{group}]\n{distribution.replace('-', '_')} = {target}\n")
+
+
 def _router_command(host: str, port: int, policy: str, *mode_args: str) -> List[str]:
     """vllm-router's command line; its Prometheus exporter on a free port (its default,
     29000, is one per host or network namespace, and a second router there panics at
