@@ -1,14 +1,15 @@
 """Producer side of the integrity check: each written layer's digests computed on a
-worker thread while the sender thread writes the next layer, and sent to the peer
-(a ``digests`` notice) by the sender thread, in layer order, once they are ready.
+worker thread while the peer's lane writes the next layer, and sent to the peer (a
+``digests`` notice) by that lane, in layer order, once they are ready.
 
-    sender: write layer i -> submit(i) -> write layer i+1 -> send_ready() -> ...
-    worker:                  digest layer i (GIL released in the hashing) ...
+    lane of a peer: write layer i -> submit(i) -> write layer i+1 -> send_ready() -> ...
+    worker:                          digest layer i (GIL released in the hashing) ...
 
 A layer's notice follows its bytes on the wire (its write returned, its staging
 scatters were sent before it on the same control channel), so the consumer may verify
 the layer as soon as the notice arrives. Everything is sent before the step's chunk
-notices (``flush``), so a request is never reported landed with digests missing.
+notices (``send_ready(..., wait=True)``), so a request is never reported landed with
+digests missing. Each peer's notices are kept apart: a lane sends only its own peer's.
 """
 from __future__ import annotations
 
@@ -30,13 +31,15 @@ class DigestPipeline:
     def __init__(self, stats: ConnectorStats) -> None:
         self._stats = stats
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvops-digest")
-        self._pending: Deque[Tuple[PeerLink, int, Future]] = deque()
+        # per peer id: (layer, digests) in layer order; each deque is one lane's
+        self._pending: Dict[str, Deque[Tuple[int, Future]]] = {}
 
     def submit(self, peer: PeerLink, layer: int, req_blocks: Dict[str, np.ndarray]) -> None:
         """Digest ``layer`` of each request's source blocks (already written to ``peer``)."""
         digester = peer.digester
         assert digester is not None
-        self._pending.append((peer, layer, self._pool.submit(self._digest, digester, layer, req_blocks)))
+        job = self._pool.submit(self._digest, digester, layer, req_blocks)
+        self._pending.setdefault(peer.peer_id, deque()).append((layer, job))
 
     def _digest(self, digester: BlockDigester, layer: int,
                 req_blocks: Dict[str, np.ndarray]) -> Dict[str, str]:
@@ -50,25 +53,29 @@ class DigestPipeline:
         self._stats.add(integrity_us=int((time.perf_counter() - t0) * 1e6))
         return out
 
-    def send_ready(self, failed_peers: Dict[str, Optional[str]], wait: bool = False) -> None:
-        """Send the notices of the layers digested so far, in order (all of them, waiting
-        for the worker, with ``wait``). A peer whose channel fails is added to
-        ``failed_peers``; notices for failed peers are dropped."""
-        while self._pending and (wait or self._pending[0][2].done()):
-            peer, layer, future = self._pending.popleft()
-            digests = future.result()  # an exception here is the sender thread's (reported)
+    def send_ready(self, peer: PeerLink, failed_peers: Dict[str, Optional[str]],
+                   wait: bool = False) -> None:
+        """Send ``peer``'s notices of the layers digested so far, in order (all of them,
+        waiting for the worker, with ``wait``). A failing channel adds the peer to
+        ``failed_peers``; a failed peer's notices are dropped."""
+        pending = self._pending.get(peer.peer_id)
+        while pending and (wait or pending[0][1].done()):
+            layer, future = pending.popleft()
+            digests = future.result()  # an exception here is the lane's (reported)
             if peer.peer_id in failed_peers:
                 continue
             try:
                 peer.send({"op": "digests", "layer": layer, "mode": peer.digester.mode,
                            "reqs": digests})
             except PeerFailed as exc:
-                failed_peers[peer.peer_id] = str(exc)
+                failed_peers.setdefault(peer.peer_id, str(exc))
 
     def discard(self) -> None:
-        """Forget what is pending (a failed step): waits for the running job."""
-        while self._pending:
-            self._pending.popleft()[2].exception()
+        """Forget what is pending (a failed step): waits for the running jobs."""
+        for pending in list(self._pending.values()):
+            while pending:
+                pending.popleft()[1].exception()
+        self._pending.clear()
 
     def close(self, wait: bool = True) -> None:
         """Stop the worker. ``wait=False`` where the sender thread may still run (it did

@@ -98,6 +98,17 @@ class PeerLink:
         self.write_until = sent_at + grant
         return set(rejected)
 
+    def notify_failed(self, req_id: str, reason: Optional[str]) -> None:
+        """Best effort: a broken channel fails at once (its socket is closed), and the
+        consumer's lease covers a notice that never arrives. Sent once no more writes
+        start for the request; ``in_flight`` tells the consumer whether a failed write
+        may still land (it then fences the blocks, docs/connector.md)."""
+        try:
+            self.send({"op": "failed", "req": req_id, "reason": reason,
+                       "in_flight": self.writes_may_be_in_flight()})
+        except PeerFailed:
+            log.warning("failure notice for %s not delivered to %s: %s", req_id, self.peer_id, self.dead)
+
     def check_write_lease(self, what: str) -> None:
         """Refuse to start a write (or a scatter) once the step's write lease ended by
         this side's clock: the consumer may have given the blocks back to its engine.

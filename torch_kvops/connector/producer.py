@@ -246,7 +246,7 @@ class ProducerSide(StepSender):
         if peer_id is None:
             return False
         if peer is not None and not peer.dead:
-            self._notify_failed(peer, req_id, reason)
+            peer.notify_failed(req_id, reason)
         self._stats.add(failed_aborted=1)
         self._ledger.report(req_id, ok=False, hold=peer.quarantine() if peer is not None else None)
         return True

@@ -55,6 +55,12 @@ class NetnsHost:
         """Drop every packet sent to the namespace (a host that drops what it gets)."""
         run_tool(["tc", "qdisc", "replace", "dev", self._outside, "root", *_DROP_ALL])
 
+    def limit_rate(self, bit_s: int) -> None:
+        """Shape what is sent to the namespace to ``bit_s`` (a slow host, or a slow
+        path to it): a token bucket of 16 KiB, so the rate holds from the first bytes."""
+        run_tool(["tc", "qdisc", "replace", "dev", self._outside, "root", "tbf", "rate",
+                  f"{int(bit_s)}bit", "burst", str(16 << 10), "latency", "2s"])
+
     def heal(self) -> None:
         run_tool(["tc", "qdisc", "del", "dev", self._outside, "root"], check=False)
         run_tool(["tc", "-n", self.name, "qdisc", "del", "dev", "eth0", "root"], check=False)

@@ -1,0 +1,227 @@
+"""One consumer's part of a producer step, on its own lane thread.
+
+    sender thread:  layer i's event complete -> lane.push(i) for every peer of the step
+    lane (one per peer): begin -> write layer i -> digests -> ... -> chunk notices
+
+Each peer's writes, staging acks, revokes and notices run in order on that peer's
+lane, so a slow consumer (writes that take just under the transfer timeout, a ``begin``
+answered late, staging slots released late) delays only its own requests: the other
+peers' layers land as their KV is written, and their chunk notices go out as soon as
+their own writes are over. A peer still writing when the step's budget
+(``step_timeout_s``) ends is failed alone; the others' outcomes stand.
+
+A lane owns its :class:`~torch_kvops.connector.peer.PeerLink` for the step: nothing else
+reads its control channel until the sender thread has joined the lane.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
+
+import numpy as np
+
+from ..plan import KVLayout, layer_descriptors
+from .config import ConnectorConfig
+from .digest_pipeline import DigestPipeline
+from .ledger import ConnectorStats, RequestLedger
+from .peer import PeerFailed, PeerLink
+
+if TYPE_CHECKING:
+    from .sender import _Step
+
+log = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.05  # how soon a revoke is acknowledged while the forward runs
+
+
+def stop_revoked(peer: PeerLink, ledger: RequestLedger, stats: ConnectorStats) -> Set[str]:
+    """Acknowledge what the consumer revoked (no write of those requests starts after
+    this) and report the revoked requests still in flight with this peer failed.
+    Returns the revoked request ids."""
+    revoked = peer.acknowledge_revokes()
+    for req_id in sorted(revoked):
+        with ledger.lock:
+            ours = ledger.in_flight.get(req_id) == peer.peer_id
+        if ours:
+            log.warning("peer %s revoked request %s: stopped", peer.peer_id, req_id)
+            stats.add(failed_revoked=1)
+            ledger.report(req_id, ok=False, hold=peer.quarantine())
+    return revoked
+
+
+class PeerStep:
+    """A peer's requests of one step: announced, written layer by layer as the sender
+    hands layers over, and concluded (chunk or failure notices, outcomes reported)."""
+
+    def __init__(self, step: "_Step", peer: PeerLink, layout: KVLayout, config: ConnectorConfig,
+                 ledger: RequestLedger, stats: ConnectorStats, digests: DigestPipeline,
+                 stop: threading.Event) -> None:
+        self.peer = peer
+        self.error: Optional[BaseException] = None  # a bug, re-raised by the sender thread
+        self.landed: Dict[int, float] = {}  # layer -> when its write returned (perf_counter)
+        self.staged: Dict[int, float] = {}  # layer -> when its last slot was staged
+        self._step = step
+        self._entries = list(step.plan.by_peer[peer.peer_id])
+        self._layout = layout
+        self._config = config
+        self._ledger = ledger
+        self._stats = stats
+        self._digests = digests
+        self._stop = stop
+        self._deadline = step.started + config.step_timeout_s
+        self._merge()
+        self._jobs: "queue.Queue[Optional[Tuple[int, Optional[int]]]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._main, name="kvops-lane", daemon=True)
+
+    # ------------------------------------------------------------------ sender thread
+
+    def start(self) -> "PeerStep":
+        """Start the lane: it announces the peer's requests, then waits for layers."""
+        self._thread.start()
+        return self
+
+    def push(self, layer: int, prefetch: Optional[int]) -> None:
+        """Write ``layer`` (its KV write is complete); ``prefetch``: the next layer, if
+        its KV write is complete too (staging gathers its first slots early)."""
+        self._jobs.put((layer, prefetch))
+
+    def finish(self) -> None:
+        """No more layers: conclude the step once the pushed ones are written."""
+        self._jobs.put(None)
+
+    def join(self) -> None:
+        """Wait for the lane to end. Bounded without a timeout here: each write is
+        bounded by the transfer timeout and its retries, and layers handed over after
+        the step's budget ended are not written."""
+        self._thread.join()
+
+    # ------------------------------------------------------------------ lane thread
+
+    @property
+    def _failed(self) -> Optional[str]:
+        return self._step.failed_peers.get(self.peer.peer_id)
+
+    def _fail(self, reason: str) -> None:
+        self._step.failed_peers.setdefault(self.peer.peer_id, reason)
+
+    def _main(self) -> None:
+        try:
+            self._begin()
+            while True:
+                try:
+                    job = self._jobs.get(timeout=_IDLE_POLL_S)
+                except queue.Empty:
+                    self._handle_revokes()
+                    continue
+                if job is None:
+                    break
+                self._write(*job)
+            self._conclude()
+        except BaseException as exc:  # reported by the sender thread, never swallowed
+            log.exception("lane of peer %s failed", self.peer.peer_id)
+            self.error = exc
+        finally:
+            self.peer.drop_prefetch()
+
+    def _begin(self) -> None:
+        """Announce the requests; drop (and fail) those the peer no longer accepts."""
+        peer = self.peer
+        if peer.dead:
+            self._fail(peer.dead)
+            return
+        try:
+            rejected = peer.begin({req.req_id: dst for req, _, dst in self._entries})
+        except PeerFailed as exc:
+            self._fail(str(exc))
+            return
+        if rejected:  # the consumer gave up on them already: write nothing
+            log.warning("peer %s no longer accepts %s", peer.peer_id, sorted(rejected))
+            self._stats.add(failed_rejected_by_decode=len(rejected))
+            for req_id in rejected:
+                self._ledger.report(req_id, ok=False)
+            self._drop(rejected)
+
+    def _handle_revokes(self) -> None:
+        peer = self.peer
+        if peer.dead:
+            return
+        peer.poll()
+        if not peer.revoked:
+            return
+        revoked = stop_revoked(peer, self._ledger, self._stats)
+        in_step = {req.req_id for req, _, _ in self._entries} & revoked
+        if in_step:
+            self._drop(in_step)
+            peer.drop_prefetch()  # gathered for the blocks of the old plan
+
+    def _write(self, layer: int, prefetch: Optional[int]) -> None:
+        if self._stop.is_set():
+            self._fail("connector closed during the step")
+        elif time.monotonic() > self._deadline:
+            self._fail(f"layer {layer} not written within step_timeout_s "
+                       f"({self._config.step_timeout_s} s)")
+        if self._failed is not None:
+            return
+        self._handle_revokes()
+        if self._failed is not None or not self._src.size:
+            return
+        peer = self.peer
+        descriptors = layer_descriptors(self._layout.layers[layer], peer.layout.layers[layer],
+                                        self._src, self._dst)
+        try:
+            retries, staged_at = peer.write_layer(layer, self._src, self._dst, *descriptors,
+                                                  prefetch=prefetch)
+        except PeerFailed as exc:
+            self._fail(str(exc))
+            return
+        self.landed[layer] = time.perf_counter()
+        if staged_at is not None:
+            self.staged[layer] = staged_at
+        if retries:
+            self._step.retried_peers.add(peer.peer_id)
+        if peer.digester is not None:  # integrity check: digested on the digest worker
+            self._digests.submit(peer, layer, {req.req_id: src for req, src, _ in self._entries})
+        self._digests.send_ready(peer, self._step.failed_peers)  # earlier layers', if done
+
+    def _conclude(self) -> None:
+        """Per request: a "chunk landed" notice (all its bytes of this step returned
+        from the transport), or a failure notice; the outcome reported."""
+        peer = self.peer
+        bytes_per_block = sum(layer.block_bytes for layer in self._layout.layers)
+        self._digests.send_ready(peer, self._step.failed_peers, wait=True)  # before chunk notices
+        for req, src, dst in self._entries:
+            if self._failed is None:
+                try:
+                    # dst: what landed, so a request that fails later can keep it
+                    peer.send({"op": "chunk", "req": req.req_id, "last": req.last_chunk,
+                               "bytes": int(src.size) * bytes_per_block, "dst": dst.tolist()})
+                    if req.last_chunk:
+                        # a retried write's first attempt may still read its source
+                        self._ledger.report(req.req_id, ok=True, hold=peer.quarantine())
+                    continue
+                except PeerFailed as exc:
+                    self._fail(str(exc))
+            peer.notify_failed(req.req_id, self._failed)
+            self._stats.add(failed_push=1)
+            self._ledger.report(req.req_id, ok=False, hold=peer.quarantine())
+
+    def _drop(self, req_ids: Set[str]) -> None:
+        self._entries = [e for e in self._entries if e[0].req_id not in req_ids]
+        self._merge()
+
+    def _merge(self) -> None:
+        """The peer's block ids concatenated over its requests: one merged batch per layer."""
+        empty = np.zeros(0, dtype=np.int64)
+        self._src = np.concatenate([s for _, s, _ in self._entries]) if self._entries else empty
+        self._dst = np.concatenate([d for _, _, d in self._entries]) if self._entries else empty
+
+
+def lanes_landed(lanes: List[PeerStep], layer: int, default: float) -> Tuple[Optional[float], float]:
+    """(when ``layer``'s last slot was staged by any lane or None, when its last write
+    returned, ``default`` if no lane wrote it)."""
+    staged = [lane.staged[layer] for lane in lanes if layer in lane.staged]
+    landed = [lane.landed[layer] for lane in lanes if layer in lane.landed]
+    return (max(staged) if staged else None), max(landed, default=default)
