@@ -15,6 +15,7 @@ from torch_kvops.integrations.vllm.metadata import KvopsSettings
 from torch_kvops.integrations.vllm.side_channel import (BootstrapServer, DestinationPoster,
                                                         DestinationServer, FleetAuth, TlsFiles,
                                                         load_fleet_key)
+from torch_kvops.integrations.vllm.side_channel.bootstrap import rank_entry
 from torch_kvops.testing.pushes import push_and_receive
 
 KEY = bytes(range(32))
@@ -246,8 +247,8 @@ def test_the_bootstrap_endpoint_cuts_a_trickling_client_at_its_total_deadline_an
     """A client that sends its request a byte at a time, each within the per-operation
     timeout, is cut off at the total deadline (it would otherwise hold a slot for
     ever), and close() returns within that bound while such clients are connected."""
-    boot = BootstrapServer("127.0.0.1", 0, "engine-p", "127.0.0.1:1", 1, signed=False, tls=False,
-                           timeout_s=1.0, total_s=1.0, max_clients=4)
+    boot = BootstrapServer("127.0.0.1", 0, rank_entry("engine-p", "127.0.0.1:1", 1, signed=False, tls=False),
+                           auth=None, timeout_s=1.0, total_s=1.0, max_clients=4)
     host, port = boot.address.rsplit(":", 1)
     socks = []
     try:
@@ -344,7 +345,10 @@ def test_too_many_connections_close_the_oldest_and_oversized_messages_are_refuse
     host, port = server.address.rsplit(":", 1)
     idle = [socket.create_connection((host, int(port)), timeout=2) for _ in range(6)]
     try:
-        time.sleep(0.3)
+        deadline = time.monotonic() + 5.0  # the server thread accepts them as it gets the CPU
+        while server.counters()["too_many_connections"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # and no more than those two
         assert server.counters()["too_many_connections"] == 2
         assert ask(server.address, b"[" * 2048 + b"\n") == b"oversized"
         assert ask(server.address, b"x" * 4096) == b"oversized"  # no newline either
@@ -445,7 +449,8 @@ def test_fleet_key_files_and_settings_are_checked_at_start(tmp_path, monkeypatch
 
 def test_bootstrap_query_answers_like_vllms_mooncake_connector_and_routes_posts(signed):
     server, poster, results = signed
-    boot = BootstrapServer("127.0.0.1", 0, "engine-p", server.address, 2, signed=True, tls=False)
+    boot = BootstrapServer("127.0.0.1", 0, rank_entry("engine-p", server.address, 2, signed=True, tls=False),
+                           auth=FleetAuth(KEY))
     try:
         with urllib.request.urlopen(boot.url + "/query", timeout=5) as response:
             raw = response.read()

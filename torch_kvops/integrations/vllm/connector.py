@@ -70,12 +70,12 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
             raise ValueError(f"KvopsLayerwiseConnector needs kv_role kv_producer or kv_consumer, "
                              f"got {kv_role!r}")
         parallel = vllm_config.parallel_config
-        if kv_role == "kv_producer" and parallel.data_parallel_size > 1:
-            # each DP engine core would bind the same side-channel and bootstrap ports,
-            # and /query would list one rank: refused rather than half working
-            raise ValueError(f"KvopsLayerwiseConnector: a prefill instance with data parallelism "
-                             f"(data_parallel_size={parallel.data_parallel_size}) is not supported in "
-                             "this version; run one prefill instance per DP rank behind the router")
+        if kv_role == "kv_producer" and parallel.local_engines_only and parallel.data_parallel_index > 0:
+            # each rank is its own instance there: rank 0's endpoint may be on another host
+            raise ValueError("KvopsLayerwiseConnector: a prefill rank under external or hybrid DP load "
+                             "balancing is not supported in this version; run one `vllm serve "
+                             "--data-parallel-size N` per host (internal load balancing), or each "
+                             "rank as an instance of its own, without --data-parallel-rank")
         total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         check_tp(total_kv_heads, parallel.tensor_parallel_size, vllm_config.model_config.use_mla,
                  parallel.pipeline_parallel_size)
@@ -89,8 +89,10 @@ class KvopsLayerwiseConnector(KVConnectorBase_V1):
         self._worker: Optional[KvopsWorker] = None
         if role == KVConnectorRole.SCHEDULER:
             block_size = vllm_config.cache_config.block_size
+            # data_parallel_index: the DP rank, kept where vLLM runs dense-model ranks as DP=1
             self._scheduler = (ProducerScheduler(self.settings, block_size, parallel.tensor_parallel_size,
-                                                 engine_id=self._kv_transfer_config.engine_id or "")
+                                                 engine_id=self._kv_transfer_config.engine_id or "",
+                                                 dp_rank=parallel.data_parallel_index)
                                if self.kv_role == "producer" else ConsumerScheduler(self.settings, block_size))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -50,6 +50,15 @@ class DecodeParams:
     producer: str
     remote_engine_id: Optional[str]
 
+    @property
+    def post_to(self) -> str:
+        """Where D posts: the side channel, or the bootstrap endpoint with the engine id
+        of the DP rank that holds the request (``http://host:port#engine_id``; the
+        poster reads that rank's side channel from ``GET /query``)."""
+        if self.remote_engine_id and self.producer.startswith("http"):
+            return f"{self.producer.rstrip('/')}#{self.remote_engine_id}"
+        return self.producer
+
 
 def _flag(params: Mapping[str, Any], key: str) -> bool:
     value = params.get(key, False)

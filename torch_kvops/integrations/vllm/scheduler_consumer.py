@@ -120,11 +120,11 @@ class ConsumerScheduler:
         # tokens before this are local prefix-cache hits on D: P need not push them
         start_token = request.num_prompt_tokens - num_external_tokens
         self._posting[tid] = (request.request_id, block_ids[start_token // self.block_size:],
-                              remote.producer)
+                              remote.post_to)
         self._in_flight.add(request.request_id)
         # P's side channel (host:port) or its bootstrap endpoint (http://host:port),
         # forwarded as the client gave it (validated by params.decode_params)
-        self.poster.post(remote.producer, {
+        self.poster.post(remote.post_to, {
             "transfer_id": tid, "block_ids": block_ids, "start_token": start_token,
             "peers": self.peers})
         self._local_prompt[request.request_id] = (request, 0)

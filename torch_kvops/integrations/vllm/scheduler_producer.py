@@ -89,9 +89,10 @@ class ProducerScheduler:
     """P side: binds destinations as they arrive and plans per-step pushes."""
 
     def __init__(self, settings: KvopsSettings, block_size: int, tp_size: int = 1,
-                 engine_id: str = "") -> None:
+                 engine_id: str = "", dp_rank: int = 0) -> None:
         self.settings, self.block_size = settings, block_size
-        self.server, self.bootstrap = start_prefill_endpoints(settings, tp_size, engine_id)
+        # bootstrap: the GET /query endpoint (DP rank 0), or this rank's registration there
+        self.server, self.bootstrap = start_prefill_endpoints(settings, tp_size, engine_id, dp_rank)
         self._side_counts = SideChannelCounts()
         self._waiting: Dict[str, float] = {}  # late binding off: req_id -> wait deadline
         self._no_push: Set[str] = set()

@@ -14,7 +14,9 @@ loaded host) from one refused or failed (P is gone, or not a kvops prefill side)
 
 Addresses: ``host:port`` (P's side channel) or ``http://host:port`` (P's bootstrap
 endpoint, vLLM's ``remote_bootstrap_addr``): the worker asks ``GET /query`` there for
-the side-channel address and caches it for ``resolve_ttl_s``.
+the side-channel address and caches it for ``resolve_ttl_s``. A prefill instance with
+data parallelism lists a side channel per DP rank: ``http://host:port#engine_id`` names
+the rank by its engine id (vLLM's ``remote_engine_id``).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ def parse_address(address: object) -> Tuple[str, str, int]:
     scheme, rest = "", address
     if "://" in address:
         scheme, rest = address.split("://", 1)
+        rest = rest.partition("#")[0]  # the DP rank's engine id
         if scheme != "http":
             raise ValueError(f"prefill address {address!r}: scheme {scheme!r} is not supported "
                              "(host:port for a side channel, http://host:port for a bootstrap)")
@@ -294,10 +297,16 @@ class DestinationPoster:
             conn.close()
         if response.status != 200 or len(body) > MAX_ANSWER_BYTES:
             raise ConnectionError(f"bootstrap {peer.address}/query answered {response.status}")
+        engine = peer.address.partition("#")[2]
         try:
-            entry = next(iter(json.loads(body).values()))
+            ranks = list(json.loads(body).values())
+            # the DP rank of that engine id; an instance of one rank whatever the id
+            entry = next((e for e in ranks if e["engine_id"] == engine), ranks[0] if len(ranks) == 1 else None)
+            if entry is None:
+                raise _Refused("bad_answer", f"no DP rank of the prefill instance at {peer.address} has "
+                                             f"engine id {engine!r} (it lists {len(ranks)})")
             side_host, side_port = parse_address(entry["kvops"]["side_channel"])[1:]
-        except (ValueError, KeyError, TypeError, StopIteration, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             raise _Refused("bad_answer", f"bootstrap answer names no kvops side channel ({exc}): "
                                          "is P running KvopsLayerwiseConnector?") from None
         if side_host in ("0.0.0.0", "::", ""):
