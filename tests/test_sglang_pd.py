@@ -82,6 +82,25 @@ def test_a_changed_sglang_internal_fails_loudly_at_start_up():
     assert "CommonKVSender.send('pages', 'state') differs" in done.stderr, done.stderr[-2000:]
 
 
+def test_what_the_backend_does_not_move_yet_is_refused_at_start_up():
+    """An MLA model (one latent buffer per layer) or tensor parallelism: a clear error
+    when the manager starts, never a transfer that moves the wrong buffers."""
+    done = _in_sglang(
+        "from types import SimpleNamespace as NS\n"
+        "from torch_kvops.integrations.sglang.manager import KvopsKVManager as M\n"
+        "M._check_supported(NS(), NS(device='cpu', tp_size=1), False)\n"
+        "for args, server, mla in ((NS(), NS(device='cpu', tp_size=1), True),\n"
+        "                          (NS(), NS(device='cpu', tp_size=2), False)):\n"
+        "    try:\n"
+        "        M._check_supported(args, server, mla)\n"
+        "    except NotImplementedError as exc:\n"
+        "        print(exc)\n")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [
+        "the kvops SGLang backend does not support MLA models (latent KV pools, DeepSeek) yet",
+        "the kvops SGLang backend does not support tensor parallelism yet"], done.stdout
+
+
 @pytest.fixture(scope="module")
 def fleet():
     with workspace("kvops-sglang") as (tmp, model, log_dir, sabotage):

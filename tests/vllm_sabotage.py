@@ -41,7 +41,9 @@ In a decode engine:
 - ``no_renewal``: the scheduler asks no prefill engine which transfers it still owes
   (the leases are never renewed, for negative controls);
 - ``no_coverage_check``: a transfer part reported finished is taken as having filled
-  every block it was expected to (the check for holes switched off).
+  every block it was expected to (the check for holes switched off);
+- ``post_to_rank0``: every destination posted to a bootstrap endpoint names DP rank 0,
+  whichever rank the router named (D posting to the wrong rank).
 
 ``vllm serve`` engines (torch_kvops.serving) load it as a vLLM general plugin in every
 process (API server, engine core, workers): :func:`serving_env` gives a server the
@@ -266,3 +268,16 @@ def install_decode() -> None:
             renew_owed(self, meta)
 
     ConsumerScheduler._renew_owed = sabotaged_renew_owed
+
+    from torch_kvops.integrations.vllm.params import DecodeParams
+
+    post_to = DecodeParams.post_to
+
+    def sabotaged_post_to(self):
+        address = post_to.fget(self)
+        if "post_to_rank0" in modes() and "#" in address:
+            base, _, engine = address.partition("#")
+            return f"{base}#{engine.rpartition('_dp')[0]}_dp0"
+        return address
+
+    DecodeParams.post_to = property(sabotaged_post_to)

@@ -66,7 +66,7 @@ class KvopsKVManager(sgl.CommonKVManager):
 
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend: bool = False) -> None:
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
-        self._check_supported(args, server_args)
+        self._check_supported(args, server_args, is_mla_backend)
         self.settings = KvopsSglangSettings.from_env()
         self.prefill = disaggregation_mode == sgl.DisaggregationMode.PREFILL
         self.caches = page_views(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
@@ -105,9 +105,11 @@ class KvopsKVManager(sgl.CommonKVManager):
                  else "decode", self.kv_args.engine_rank, len(self.caches), self.caches[0].size(0))
 
     @staticmethod
-    def _check_supported(args, server_args) -> None:
+    def _check_supported(args, server_args, is_mla_backend: bool) -> None:
         """What this backend does not move yet fails at start-up, not in a transfer."""
         missing = []
+        if is_mla_backend:  # one latent buffer per layer, where the push expects K and V
+            missing.append("MLA models (latent KV pools, DeepSeek)")
         if str(getattr(server_args, "device", "cpu")) != "cpu":
             missing.append(f"device {server_args.device!r} (host KV caches only so far)")
         if getattr(args, "num_draft_entries", 0):
