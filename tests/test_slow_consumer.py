@@ -9,7 +9,8 @@ goes on serving. Real producer connector and consumer processes over the real
 Mooncake engine.
 
 Negative control (``one_lane``): every peer's work on the sender thread, one peer after
-another, as before the lanes: the good request waits for the slow consumer's writes.
+another (as a step with one peer runs, and every step did before the lanes): the good
+request waits for the slow consumer's writes.
 """
 import time
 
@@ -19,7 +20,7 @@ import torch
 
 from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
 from torch_kvops.connector import sender
-from torch_kvops.connector.peer_step import PeerStep
+from torch_kvops.connector.peer_step import InlinePeerStep
 from torch_kvops.testing.consumer_process import ConsumerProcess
 from torch_kvops.testing.netns_host import NetnsHost
 
@@ -31,29 +32,10 @@ CONFIG = dict(transfer_timeout_s=2.5, max_retries=0, control_timeout_s=5.0, leas
 GOOD_BOUND_S = 1.0  # the good request's outcome after the step started (alone: ~0.05 s)
 
 
-class OneLane(PeerStep):
-    """The sender before lanes: each peer's work on the calling (sender) thread, one
-    peer after another."""
-
-    def start(self):
-        self._begin()
-        return self
-
-    def push(self, layer, prefetch):
-        self._write(layer, prefetch)
-
-    def finish(self):
-        self._conclude()
-        self.peer.drop_prefetch()
-
-    def join(self):
-        pass
-
-
 @pytest.mark.parametrize("case", ["lanes", "budget", "one_lane"])
 def test_a_slow_consumer_delays_only_its_own_requests(case, monkeypatch):
     if case == "one_lane":
-        monkeypatch.setattr(sender, "PeerStep", OneLane)
+        monkeypatch.setattr(sender, "PeerStep", InlinePeerStep)  # what a one-peer step runs
     # "budget": the step's budget ends before the slow consumer's last layer
     config = dict(CONFIG, step_timeout_s=2.5) if case == "budget" else CONFIG
     with NetnsHost(index=4) as host:

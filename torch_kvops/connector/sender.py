@@ -28,7 +28,7 @@ from .config import ConnectorConfig
 from .digest_pipeline import DigestPipeline
 from .ledger import ConnectorStats, RequestLedger
 from .peer import PeerFailed, PeerLink
-from .peer_step import PeerStep, lanes_landed, stop_revoked
+from .peer_step import InlinePeerStep, PeerStep, lanes_landed, stop_revoked
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +96,14 @@ class StepSender:
 
     def _run_step(self, step: _Step) -> None:
         """Hand each layer to every peer's lane as its KV write completes (peer_step.py),
-        then wait for the lanes: each writes, and concludes, its own peer's requests."""
+        then wait for the lanes: each writes, and concludes, its own peer's requests. A
+        step with one peer runs its work on this thread."""
         self._stats.add(steps=1)
         self._fail_refused(step)
-        lanes = [PeerStep(step, self._peers[peer_id], self._layout, self._config, self._ledger,
-                          self._stats, self._digests, self._stop).start()
-                 for peer_id, entries in step.plan.by_peer.items() if entries]
+        peer_ids = [peer_id for peer_id, entries in step.plan.by_peer.items() if entries]
+        lane = PeerStep if len(peer_ids) > 1 else InlinePeerStep
+        lanes = [lane(step, self._peers[peer_id], self._layout, self._config, self._ledger,
+                      self._stats, self._digests, self._stop).start() for peer_id in peer_ids]
         handed: List[Tuple[int, float, float]] = []  # (layer, taken, event ready)
         try:
             self._hand_layers(step, lanes, handed)
@@ -138,6 +140,8 @@ class StepSender:
                 layer = self._events.next_ready(timeout=0.05)
                 t0 = time.perf_counter()
                 if layer is None:
+                    for lane in lanes:
+                        lane.idle()
                     if time.monotonic() > deadline:
                         return self._fail_step(step, f"layers {sorted(remaining)} not pushed within "
                                                      f"{self._config.step_timeout_s} s")
