@@ -402,9 +402,11 @@ def test_a_silent_prefill_side_renews_for_one_lease_after_its_last_answer_a_gone
         sched.shutdown()
 
 
-def test_a_prefill_instance_with_data_parallelism_is_refused_at_start():
-    """Not supported in this version (docs/vllm.md, limits): refused with the setting
-    named, before any port is bound; a decode instance is not concerned."""
+def test_a_prefill_rank_under_external_dp_load_balancing_is_refused_at_start():
+    """One `vllm serve --data-parallel-size N` per host is supported (tests/test_vllm_dp.py);
+    a rank launched on its own (--data-parallel-rank, external load balancing) is refused
+    with what to do instead, before any port is bound (rank 0's endpoint may be on
+    another host)."""
     from vllm.config import KVTransferConfig, ParallelConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -412,6 +414,8 @@ def test_a_prefill_instance_with_data_parallelism_is_refused_at_start():
 
     producer = KVTransferConfig(kv_connector="KvopsLayerwiseConnector",
                                 kv_connector_module_path="torch_kvops.integrations.vllm", kv_role="kv_producer")
-    config = VllmConfig(kv_transfer_config=producer, parallel_config=ParallelConfig(data_parallel_size=2))
-    with pytest.raises(ValueError, match="data_parallel_size=2"):
+    config = VllmConfig(kv_transfer_config=producer, parallel_config=ParallelConfig(
+        data_parallel_size=2, data_parallel_rank=1, data_parallel_external_lb=True))
+    assert config.parallel_config.data_parallel_index == 1 and config.parallel_config.local_engines_only
+    with pytest.raises(ValueError, match="external or hybrid DP load balancing"):
         KvopsLayerwiseConnector(config, KVConnectorRole.SCHEDULER, None)
