@@ -6,6 +6,7 @@ import errno
 import logging
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple, Union
 
+from ....addresses import endpoint
 from ..metrics import SIDE_CHANNEL_PREFIX
 from .auth import warn_unauthenticated
 from .bootstrap import BootstrapServer, bootstrap_address, rank_entry
@@ -51,7 +52,8 @@ def start_prefill_endpoints(settings: "KvopsSettings", tp_size: int, engine_id: 
     try:
         host, bootstrap_port = bootstrap_address(settings.bootstrap_server_address, where.bind)
         if dp_rank > 0:
-            return server, RankRegistration(_reachable(host), bootstrap_port, dp_rank, entry, auth)
+            # where rank 0's endpoint is reached: an unspecified bind at the host's address
+            return server, RankRegistration(endpoint(host).advertise, bootstrap_port, dp_rank, entry, auth)
         bootstrap = BootstrapServer(host, bootstrap_port, entry, auth=auth)
     except OSError as exc:
         if settings.bootstrap_server_address or exc.errno != errno.EADDRINUSE:
@@ -65,11 +67,6 @@ def start_prefill_endpoints(settings: "KvopsSettings", tp_size: int, engine_id: 
         server.close()
         raise
     return server, bootstrap
-
-
-def _reachable(bind_host: str) -> str:
-    """Where this host's own bootstrap endpoint bound to ``bind_host`` is reached."""
-    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(bind_host, bind_host)
 
 
 def start_poster(settings: "KvopsSettings", on_result: Callable[[str, Optional[dict]], None],
