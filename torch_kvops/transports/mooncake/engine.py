@@ -5,7 +5,8 @@ peer is addressed as ``"host:rpc_port"``. :func:`start_engine` checks that the h
 an address of this machine (Mooncake accepts any string and advertises it), forces
 Mooncake's TCP transport when TCP is asked for (Mooncake otherwise installs RDMA
 whenever it finds a device), confirms an RDMA device when RDMA is asked for (Mooncake
-otherwise falls back to TCP silently), and runs under the log filter of
+otherwise falls back to TCP silently), draws the handshake port again where an
+engine of this host drew it lately (:mod:`.ports`), and runs under the log filter of
 :mod:`.engine_log`.
 
 :class:`EngineSlot` is the engine one ``MooncakeTransport`` uses, its closed flag and
@@ -15,6 +16,7 @@ the condition that guards them together with the bookkeeping of every other part
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -23,6 +25,9 @@ from typing import Any, Optional, Tuple
 
 from ..base import TransportError
 from .engine_log import benign_lines_dropped
+from .ports import RecentPorts
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DONE", "EngineSlot", "FAILED", "MOONCAKE_INSTALL_HINT", "PENDING", "TIMED_OUT",
            "check_local_host", "engine_supports_cuda", "load_engine_class", "start_engine"]
@@ -42,6 +47,7 @@ DONE, PENDING, FAILED, TIMED_OUT = 1, 0, -1, -2
 # whenever it discovers an RDMA device, TCP otherwise.
 _FORCE_TCP_ENV = "MC_FORCE_TCP"
 _ENV_LOCK = threading.Lock()
+MAX_PORT_DRAWS = 8  # with a quarter of the ports recent, 8 repeats in a row: 1 in 65,000
 
 
 class EngineSlot:
@@ -100,9 +106,33 @@ def check_local_host(host: str) -> None:
 
 
 def start_engine(engine_cls, host: str, protocol: str, device_name: str, *,
-                 quiet_log: bool) -> Tuple[Any, int]:
-    """Make and initialize an engine; returns it and its RPC (handshake) port.
-    ``quiet_log`` drops Mooncake's known-benign start-up lines."""
+                 quiet_log: bool, recent_ports: Optional[RecentPorts] = None) -> Tuple[Any, int]:
+    """Make and initialize an engine; returns it and its RPC (handshake) port, one
+    that no engine of this host drew lately (``recent_ports``, :mod:`.ports`): a
+    repeat is drawn again while the repeated engine stays bound. ``quiet_log`` drops
+    Mooncake's known-benign start-up lines."""
+    recent_ports = recent_ports or RecentPorts()
+    engine, port = _start_one(engine_cls, host, protocol, device_name, quiet_log)
+    repeats = []  # kept alive until a fresh port is drawn, so no draw lands on them
+    try:
+        for draw in range(1, MAX_PORT_DRAWS + 1):
+            if recent_ports.claim(f"{host}:{port}"):
+                return engine, port
+            if draw == MAX_PORT_DRAWS:
+                break
+            log.info("Mooncake drew handshake port %d, used lately on this host: drawing again", port)
+            repeats.append(engine)
+            engine, port = _start_one(engine_cls, host, protocol, device_name, quiet_log)
+        log.warning("Mooncake drew %d handshake ports in a row used lately on this host; keeping "
+                    "%d (a producer that wrote to its earlier holder cannot write here)",
+                    MAX_PORT_DRAWS, port)
+        return engine, port
+    finally:
+        del repeats  # destroying an engine blocks ~1 s: only on a repeat
+
+
+def _start_one(engine_cls, host: str, protocol: str, device_name: str,
+               quiet_log: bool) -> Tuple[Any, int]:
     with benign_lines_dropped(quiet_log):
         engine = engine_cls()
     try:
