@@ -209,3 +209,32 @@ def test_a_control_connection_cut_mid_push_lets_nothing_land_after_the_report(co
         assert sentinel == [True] * LAYERS, "a write landed after the report"
     else:
         assert not all(sentinel), "the control must see late writes land"
+
+
+@pytest.mark.parametrize("fence", ["full", "no_renewal"])
+def test_a_step_slower_than_its_lease_renews_it_while_its_layers_come(fence):
+    """A slow forward, not a stopped producer: layers 0.7 s apart under a 1 s lease (the
+    step lasts 2.1 s). Before each write past half its write lease, the producer
+    announces the request again, which renews its lease on the consumer and grants a new
+    write lease: every layer lands and the request finishes. Negative control
+    (``no_renewal``): the lease ends before the third layer and the request fails."""
+    config = dict(CONFIG, lease_s=1.0)
+    consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **config)
+    producer = ProducerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, fence=fence, **config)
+    try:
+        peer = producer.call("add_peer", consumer.info)
+        consumer.call("expect", ["slow"])
+        p_finished, p_failed, stats = producer.call("push", "slow", peer, SRC, DST, PUSHED, 0.7)
+        finished, failed, _ = consumer.call("wait", ["slow"], 10.0)
+        landed = _layers_landed(consumer)
+    finally:
+        producer.stop()
+        consumer.stop()
+    print(f"{fence}: producer finished {p_finished} failed {p_failed}; {landed} of {LAYERS} layers "
+          f"landed; {stats['write_lease_renewals']} renewals, write lease ended {stats['write_lease_ended']}x")
+    if fence == "no_renewal":
+        # the consumer revoked it at its lease (or the write lease stopped the producer)
+        assert p_failed == ["slow"] and failed == {"slow"} and landed < LAYERS
+        return
+    assert p_finished == ["slow"] and finished == {"slow"} and not failed
+    assert landed == LAYERS and stats["write_lease_renewals"] >= 2 and stats["write_lease_ended"] == 0

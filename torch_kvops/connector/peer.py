@@ -43,7 +43,7 @@ class PeerLink:
         # The write lease of the current step (monotonic clock): no write starts after
         # it. It counts the consumer's grant from before ``begin`` was sent, so it ends
         # no later than the consumer's lease does (docs/connector.md, "The fence").
-        self.write_until = 0.0
+        self.write_until, self.write_grant_s = 0.0, 0.0  # and the last grant's length
         # Requests the consumer revoked (it gave up on them), not yet acknowledged
         self.revoked: Set[str] = set()
         self.last_used = time.monotonic()  # the last begin (release_peers)
@@ -95,8 +95,12 @@ class PeerLink:
         if not isinstance(rejected, list) or not all(isinstance(r, str) and r in dst_blocks
                                                          for r in rejected):
             raise self.give_up(f"malformed answer to begin (rejected: {str(rejected)[:200]})")
-        self.write_until = sent_at + grant
+        self.write_until, self.write_grant_s = sent_at + grant, float(grant)
         return set(rejected)
+
+    def write_lease_renewable(self) -> bool:
+        """Less than half of the step's write lease is left, but some (peer_step.py)."""
+        return 0.0 < self.write_until - time.monotonic() < self.write_grant_s / 2
 
     def notify_failed(self, req_id: str, reason: Optional[str]) -> None:
         """Best effort: a broken channel fails at once (its socket is closed), and the

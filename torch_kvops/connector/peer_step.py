@@ -8,7 +8,9 @@ lane, so a slow consumer (writes that take just under the transfer timeout, a ``
 answered late, staging slots released late) delays only its own requests: the other
 peers' layers land as their KV is written, and their chunk notices go out as soon as
 their own writes are over. A peer still writing when the step's budget
-(``step_timeout_s``) ends is failed alone; the others' outcomes stand.
+(``step_timeout_s``) ends is failed alone; the others' outcomes stand. A lane whose
+step outlasts half its write lease, while it runs, announces its requests again before
+its next write (a new grant), so a slow forward is not taken for a stopped producer.
 
 A lane owns its :class:`~torch_kvops.connector.peer.PeerLink` for the step: nothing else
 reads its control channel until the sender thread has joined the lane.
@@ -130,7 +132,12 @@ class PeerStep:
             self.peer.drop_prefetch()
 
     def _begin(self) -> None:
-        """Announce the requests; drop (and fail) those the peer no longer accepts."""
+        """Announce the requests; drop (and fail) those the peer no longer accepts.
+        Again before a write once half the write lease is spent, while it runs: a begin
+        for requests begun already renews their leases on the consumer and grants a new
+        write lease, so a step slower than the lease (a slow forward) goes on while its
+        layers keep coming; a producer that stopped past its lease renews nothing, and
+        the fence stands."""
         peer = self.peer
         if peer.dead:
             self._fail(peer.dead)
@@ -146,6 +153,7 @@ class PeerStep:
             for req_id in rejected:
                 self._ledger.report(req_id, ok=False)
             self._drop(rejected)
+            peer.drop_prefetch()  # gathered for the blocks of the old plan (a renewal's)
 
     def _handle_revokes(self) -> None:
         peer = self.peer
@@ -169,6 +177,9 @@ class PeerStep:
         if self._failed is not None:
             return
         self._handle_revokes()
+        if self._failed is None and self._src.size and self.peer.write_lease_renewable():
+            self._stats.add(write_lease_renewals=1)
+            self._begin()
         if self._failed is not None or not self._src.size:
             return
         peer = self.peer

@@ -10,7 +10,8 @@ import traceback
 from .worker import WorkerProcess, serve
 
 
-FENCES = ("full", "lease", "off")  # the producer's side of the fence: what a test leaves on
+# the producer's side of the fence: what a test leaves on
+FENCES = ("full", "lease", "off", "no_renewal")
 
 
 def producer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, fence: str):
@@ -25,7 +26,10 @@ def producer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, fenc
     try:
         # Tests only: "lease" ignores the consumer's revokes (the write lease alone
         # stops the producer); "off" ignores every sign that the consumer let go: its
-        # revokes, the write lease, a closed control channel (negative control).
+        # revokes, the write lease, a closed control channel (negative control);
+        # "no_renewal": a step never asks for a new write lease (negative control).
+        if fence == "no_renewal":
+            PeerLink.write_lease_renewable = lambda self: False
         if fence in ("lease", "off"):
             PeerLink.acknowledge_revokes = lambda self: set()
         if fence == "off":

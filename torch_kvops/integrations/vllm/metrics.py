@@ -41,7 +41,8 @@ _COUNTERS = {
     "producer": {"bytes_sent": "pushed_bytes", "layers_sent": "pushed_layers",
                  "steps": "push_steps", "retries": "retries", "transport_errors": "transport_errors",
                  "staged_writes": "staged_writes", "staging_waits": "staging_waits",
-                 "staging_wait_s": "staging_wait_s", "write_lease_ended": "write_lease_ended"},
+                 "staging_wait_s": "staging_wait_s", "write_lease_ended": "write_lease_ended",
+                 "write_lease_renewals": "write_lease_renewals"},
     "consumer": {"bytes_sent": "received_bytes", "fenced": "fenced",
                  "revokes_acknowledged": "revokes_acknowledged"},
 }
@@ -229,6 +230,9 @@ class KvopsPromMetrics(KVConnectorPromMetrics):
         "write_lease_ended": ("vllm:kvops_write_lease_ended",
                               "Writes not started because the decode side's write lease had "
                               "ended (prefill)."),
+        "write_lease_renewals": ("vllm:kvops_write_lease_renewals",
+                                 "Steps that outlasted half their write lease and were granted "
+                                 "a new one by the decode side (prefill; a slow forward)."),
         "peer_link_broken": ("vllm:kvops_peer_link_broken",
                              "Links to a decode instance given up on (a write failed after its "
                              "retries, a broken control channel); connected again later (prefill)."),
