@@ -46,13 +46,19 @@ def install() -> None:
         return [moved(d) for d in found] if "misplace" in modes() else found
 
     def sabotaged_run(self, batch):  # the push after the forward
-        if "misplace" in modes():
-            infos = self.manager.transfer_infos
-            for room in {item[1] for item in batch if item[0] == "push"}:
-                for session, dest in list((infos.get(room) or {}).items()):
-                    if dest is not None:
-                        infos[room][session] = moved(dest)
-        run(self, batch)
+        if "misplace" not in modes():
+            return run(self, batch)
+        infos = self.manager.transfer_infos
+        kept = {room: dict(infos[room]) for room in {item[1] for item in batch if item[0] == "push"}
+                if infos.get(room)}
+        for room, sessions in kept.items():  # moved for this push only, never twice
+            infos[room].update({s: moved(d) for s, d in sessions.items() if d is not None})
+        try:
+            return run(self, batch)
+        finally:
+            for room, sessions in kept.items():
+                if room in infos:
+                    infos[room].update(sessions)
 
     KvopsKVManager.ready_destinations = sabotaged_ready_destinations
     PushQueue._run = sabotaged_run

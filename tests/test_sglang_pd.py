@@ -22,7 +22,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import pytest
 
@@ -119,7 +119,8 @@ def fleet():
             d = servers.add(SglangServerSpec("D", model, role="decode", **same))
             servers.add(SglangServerSpec("ref", model, role="monolithic", **same))
             # health checks every 5 s, an open circuit retried after 10 s (60 s each by
-            # default): a restarted server is back in the rotation within seconds
+            # default): a restarted server is back in the rotation within seconds (each
+            # check may take SglangRouterSpec's health_check_timeout_s)
             servers.add(SglangRouterSpec("router", [p1, p2], [d], extra_args=[
                 "--health-check-interval-secs", "5", "--cb-timeout-duration-secs", "10"]))
             servers.start_all(600)
@@ -166,6 +167,11 @@ _reference: Dict[str, str] = {}
 def _compare(fleet, seed: int, n: int = 8) -> List[int]:
     """Indices of the prompts whose answer through the router differs from the
     monolithic server's (n prompts sent at once)."""
+    return _compare_answers(fleet, seed, n)[0]
+
+
+def _compare_answers(fleet, seed: int, n: int = 8) -> Tuple[List[int], List[str]]:
+    """(indices of the answers that differ from the monolithic server's, the answers)."""
     servers, model, _ = fleet
     prompts = _prompts(seed, n)
     missing = [p for p in prompts if p not in _reference]
@@ -175,7 +181,7 @@ def _compare(fleet, seed: int, n: int = 8) -> List[int]:
     differ = [i for i, (p, a) in enumerate(zip(prompts, got)) if a != _reference[p]]
     print(f"\n[sglang] seed {seed}: {len(differ)} of {n} answers differ: "
           + "; ".join(got[i][:120] for i in differ[:3]))
-    return differ
+    return differ, got
 
 
 def _count(samples, name: str, **labels) -> float:
@@ -217,10 +223,14 @@ def test_negative_control_misplaced_or_dropped_kv_changes_the_answers(fleet, mod
     try:
         # prompts of their own: pages left by an earlier run of the same prompts would
         # hold the right KV
-        differ = _compare(fleet, seed={"misplace": 3, "drop": 5, "drop_layer": 6}[mode])
+        differ, got = _compare_answers(fleet, seed={"misplace": 3, "drop": 5, "drop_layer": 6}[mode])
     finally:
         sabotage.set()
     assert len(differ) >= 6, f"{mode}: only prompts {differ} of 8 answered differently"
+    # wrong answers, not only errors (misplaced pages may name one page twice in a
+    # step: P refuses the later room, and its client gets an error)
+    wrong = [i for i in differ if not got[i].startswith("<")]
+    assert len(wrong) >= 3, f"{mode}: only {len(wrong)} wrong answers: {[got[i][:200] for i in differ]}"
     assert _compare(fleet, seed=4, n=4) == []  # and the fleet is whole again
 
 

@@ -177,6 +177,7 @@ class StepSender:
         they failed (a ``begin`` with no block claims the request on this link, so the
         failure notice counts), and they are reported failed: a later chunk is dropped."""
         for req_id, (req, reason) in step.plan.refused.items():
+            log.warning("request %s refused: %s", req_id, reason)
             peer = self._peers.get(req.peer)
             if peer is not None and not peer.dead:
                 try:

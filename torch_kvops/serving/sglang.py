@@ -83,10 +83,14 @@ class SglangRouterSpec(_Launched):
     prefill: List["object"]
     decode: List["object"]
     policy: str = "round_robin"
+    # above SGLang's own 20 s: a server's /health runs a generation, and the router's 5 s
+    # default dropped a busy D from the rotation (every request then 503)
+    health_check_timeout_s: int = 25
 
     def command(self) -> List[str]:
         cmd = [sglang_python(), "-m", "sglang_router.launch_router", "--pd-disaggregation",
-               "--host", self.host, "--port", str(self.port), "--policy", self.policy]
+               "--host", self.host, "--port", str(self.port), "--policy", self.policy,
+               "--health-check-timeout-secs", str(self.health_check_timeout_s)]
         for p in self.prefill:
             cmd += ["--prefill", p.url, str(p.spec.bootstrap_port)]
         for d in self.decode:
