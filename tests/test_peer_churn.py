@@ -64,3 +64,50 @@ def test_links_beyond_the_bound_are_released_least_recently_used_first():
         transport.close()
         for c in consumers:
             c.stop()
+
+
+def test_concurrent_add_peer_of_one_consumer_makes_one_link():
+    """Threads that learn of one consumer at once (SGLang's decode ranks register with
+    every prefill rank, and again) each call ``add_peer``: one attempt runs, the others
+    get its peer. Without that, each made its own link, the consumer kept only the last
+    handshake (``control_replaced``) and a push over an earlier link failed."""
+    import threading
+
+    import torch
+
+    from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
+    from torch_kvops.bench.peer_churn import BLOCK_SHAPE, BLOCKS, CONFIG, DST, LAYERS, SRC
+    from torch_kvops.testing.consumer_process import ConsumerProcess
+
+    consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **CONFIG)
+    transport = MooncakeTransport(host="127.0.0.1")
+    caches = [torch.randn(BLOCKS, *BLOCK_SHAPE) for _ in range(LAYERS)]
+    conn = LayerwiseConnector("producer", transport, ConnectorConfig(**CONFIG))
+    try:
+        conn.register_kv_caches(caches)
+        start, ids = threading.Barrier(8), []
+
+        def add():
+            start.wait()
+            ids.append(conn.add_peer(consumer.info))
+
+        threads = [threading.Thread(target=add) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(ids) == 8 and len(set(ids)) == 1, ids
+        assert consumer.call("stats").get("control_replaced", 0) == 0
+        consumer.call("expect", ["r"])
+        conn.start_step([TransferRequest("r", ids[0], SRC, DST)])
+        for layer, cache in enumerate(caches):
+            conn.save_kv_layer(layer, cache)
+        conn.wait_for_save(timeout=30)
+        assert consumer.call("wait", ["r"], 10.0)[0] == {"r"}
+        received = consumer.call("caches")
+        for layer in range(LAYERS):
+            assert (received[layer][DST] == caches[layer][SRC].numpy()).all()
+    finally:
+        conn.close()
+        transport.close()
+        consumer.stop()

@@ -53,6 +53,7 @@ class ProducerSide(StepSender):
         self._fleet_key = fleet_key
         self._tls = tls.client_context() if tls is not None else None
         self._peers: Dict[str, PeerLink] = {}
+        self._connecting: Dict[str, list] = {}  # engine id -> [its lock, callers using it]
         self._events = LayerEvents(len(caches), caches[0].device)
         for i, cache in enumerate(self._caches):
             self._events.bind(i, cache)
@@ -88,6 +89,21 @@ class ProducerSide(StepSender):
                                  "peer_info says \"auth\": \"fleet\")")
         layout = KVLayout.from_json(info["layout"])
         self._layout.check_compatible(layout)
+        engine_id = info["engine_id"]
+        with self._ledger.lock:
+            entry = self._connecting.setdefault(engine_id, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:  # one attempt per engine id: a caller meanwhile gets its peer
+                return self._connect(info, secret, layout)
+        finally:
+            with self._ledger.lock:
+                entry[1] -= 1
+                if not entry[1]:
+                    del self._connecting[engine_id]
+
+    def _connect(self, info: dict, secret: str, layout: KVLayout) -> str:
+        """add_peer's work, under the engine id's lock: the known live peer, or a new link."""
         with self._ledger.lock:
             known = self._peers.get(info["engine_id"])
             busy = known is not None and known.peer_id in self._ledger.in_flight.values()
