@@ -17,7 +17,8 @@ sets a room's status only from the connector's outcomes:
 What runs where: the forward pushes each layer as it is written (:mod:`.layerwise`);
 SGLang's scheduler thread calls ``add_transfer_request`` (queues); ``kvops-sglang-push``
 sends metadata rows and pushes what the forward did not (:mod:`.push_queue`);
-``kvops-sglang-recv`` reads this rank's ZMQ socket; ``kvops-sglang-outcome`` turns
+``kvops-sglang-recv`` reads this rank's ZMQ socket; ``kvops-sglang-connect`` (prefill)
+connects decode ranks as they register (:mod:`.decode_peers`); ``kvops-sglang-outcome`` turns
 connector outcomes into room statuses; ``kvops-sglang-owed`` (prefill) tells decode
 ranks which rooms it still owes, so their leases outlive a long prefill queue. Threads
 are daemons, as SGLang's own backends' are: they live as long as the scheduler process.
@@ -38,6 +39,7 @@ from ...connector import LayerwiseConnector
 from ...plan import TransferRequest
 from ...transports import MooncakeTransport, TransportError
 from . import internals as sgl
+from .decode_peers import HELD, DecodePeers
 from .decode_rooms import DecodeRooms
 from .layerwise import LayerwisePrefill
 from .metrics import Counts
@@ -82,7 +84,9 @@ class KvopsKVManager(sgl.CommonKVManager):
         self.counts = Counts("prefill" if self.prefill else "decode")
         self._lock = threading.Lock()
         self.step_lock = threading.Lock()  # one connector step at a time: forward or push thread
-        self._peers: Dict[str, str] = {}  # prefill: decode session -> connector peer id
+        self._handle_lock = threading.RLock()  # one message handled at a time (decode_peers.py)
+        self.decode_peers = DecodePeers(self.conn, self._handle_lock, self._handle, self.fail) \
+            if self.prefill else None
         self._prefill_parts: Dict[int, Set[str]] = {}  # prefill: room -> "kv", "row" done
         self.pushes = PushQueue(self)
         self.layerwise = self.rooms = None
@@ -140,18 +144,24 @@ class KvopsKVManager(sgl.CommonKVManager):
 
     def _recv_loop(self) -> None:
         recv = self._make_worker_recv(self.server_socket)
-        handle = self._on_prefill_message if self.prefill else self._on_decode_message
         while True:
             msg = recv()
-            if msg is None:
-                continue
-            try:
-                handle(msg)
-            except (ValueError, KeyError, IndexError, UnicodeDecodeError, TransportError,
-                    RuntimeError, OSError) as exc:
-                # a peer's garbage, or a peer that cannot be connected (add_peer), fails
-                # that peer's rooms at most, never this thread
-                log.warning("kvops: a message of %d frames was refused: %s", len(msg), exc)
+            if msg is not None:
+                with self._handle_lock:
+                    self._handle(msg)
+
+    def _handle(self, msg: List[bytes]) -> None:
+        """One message, under ``_handle_lock``: on the receive thread, or on a connect
+        thread for a room held while its decode rank connected."""
+        try:
+            if self.prefill:
+                self._on_prefill_message(msg)
+            else:
+                self._on_decode_message(msg)
+        except (ValueError, KeyError, IndexError, UnicodeDecodeError, TransportError,
+                RuntimeError, OSError) as exc:
+            # a peer's garbage fails that peer's rooms at most, never this thread
+            log.warning("kvops: a message of %d frames was refused: %s", len(msg), exc)
 
     def _on_prefill_message(self, msg: List[bytes]) -> None:
         if msg[0] == sgl.ABORT_TAG:
@@ -160,16 +170,21 @@ class KvopsKVManager(sgl.CommonKVManager):
                 self.pushes.abort(notice.room, "the decode side aborted it")
             return
         if msg[0] == REGISTRATION:
-            session, info = msg[3].decode(), json.loads(msg[4])
-            peer = self.conn.add_peer(info)  # validates the layout against ours
-            with self._lock:
-                self._peers[session] = peer
+            info = json.loads(msg[4])
+            if not isinstance(info, dict):
+                raise ValueError("a registration whose peer_info is not an object")
+            self.decode_peers.register(msg[3].decode(), info)  # connected off this thread
             return
         room, session = int(msg[0]), msg[3].decode()
         endpoint = f"tcp://{msg[1].decode()}:{int(msg[2])}"
         required, prefix = int(msg[6]), int(msg[7])
-        with self._lock:
-            peer = self._peers.get(session)
+        try:
+            peer = self.decode_peers.peer(session, msg) if msg[4] else None
+        except RuntimeError as exc:  # too many of its rooms wait for its link already
+            self.fail(room, str(exc))
+            return
+        if peer == HELD:
+            return  # handled again once its decode rank's link is made
         infos = self.transfer_infos.setdefault(room, {})
         if msg[4]:  # a dummy rank (no pages) gets nothing
             if peer is None:

@@ -1,0 +1,111 @@
+"""Prefill: the decode ranks that registered, connected off the receive thread.
+
+A decode rank registers (SGLang's registration message, sent again when it reconnects);
+its link is made on a connect thread, so a decode rank that does not answer (packets
+dropped: each connection attempt waits out its timeout and retries) delays no other
+decode rank's rooms: the receive thread goes on reading. A room that arrives while its
+decode rank's link is being made is held, and handled when the attempt ends: with its
+peer, or failed with the attempt's error. One attempt per decode rank at a time: a
+registration during an attempt is taken up when the attempt ends (its rooms wait for
+the latest registration's link). A rank whose last attempt failed is tried again by its
+next room.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set
+
+if TYPE_CHECKING:
+    from ...connector import LayerwiseConnector
+
+log = logging.getLogger(__name__)
+
+CONNECT_THREADS = 4  # decode ranks connected at once
+MAX_HELD_ROOMS = 1024  # per decode rank while it connects; past that, its rooms fail
+HELD = "held"  # peer(): the room is held until its decode rank's link is made
+
+
+class DecodePeers:
+    """Decode rank session -> the connector's peer id. ``handle_lock`` is the lock the
+    receive thread handles each message under (re-entrant: an attempt may end on the
+    thread that asked for it): a held room is handled under it too, by ``replay(msg)``
+    once its peer is known (which must not raise), or ended by ``fail(room, reason)``."""
+
+    def __init__(self, conn: "LayerwiseConnector", handle_lock: "threading.RLock",
+                 replay: Callable[[List[bytes]], None], fail: Callable[[int, str], None]) -> None:
+        self._conn, self._handle_lock = conn, handle_lock
+        self._replay, self._fail = replay, fail
+        self._lock = threading.Lock()
+        self._infos: Dict[str, dict] = {}  # session -> its peer_info, as last registered
+        self._peers: Dict[str, str] = {}
+        self._held: Dict[str, List[List[bytes]]] = {}  # session -> rooms waiting for its link
+        self._connecting: Set[str] = set()  # sessions with an attempt under way
+        self._pool = ThreadPoolExecutor(CONNECT_THREADS, thread_name_prefix="kvops-sglang-connect")
+
+    def register(self, session: str, info: dict) -> None:
+        """Receive thread: a decode rank registered (again): connect it in the
+        background, unless it is already linked as registered."""
+        with self._lock:
+            known = self._infos.get(session)
+            self._infos[session] = info
+            if known == info and session in self._peers:
+                return  # the same rank again: its link stands (the connector checks it)
+            self._peers.pop(session, None)
+            start = session not in self._connecting
+            self._connecting.add(session)
+        if start:
+            self._pool.submit(self._connect, session)
+
+    def peer(self, session: str, msg: List[bytes]) -> Optional[str]:
+        """Receive thread, for a room message of ``session``: its peer id; ``HELD`` if
+        its link is being made (the room is handled when the attempt ends); None if the
+        rank never registered."""
+        with self._lock:
+            peer = self._peers.get(session)
+            if peer is not None:
+                return peer
+            if session not in self._infos:
+                return None
+            held = self._held.setdefault(session, [])
+            if len(held) >= MAX_HELD_ROOMS:
+                raise RuntimeError(f"decode rank {session}: {len(held)} rooms already wait for "
+                                   "its link")
+            held.append(msg)
+            start = session not in self._connecting  # its last attempt failed: try again
+            self._connecting.add(session)
+        if start:
+            self._pool.submit(self._connect, session)
+        return HELD
+
+    def close(self) -> None:
+        """Wait for the attempts under way (each bounded by the control timeout and its
+        retries) and stop the connect threads."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _connect(self, session: str) -> None:
+        """A connect thread: link the rank as last registered; again if it registered
+        anew meanwhile; then its held rooms go on, or fail with the error."""
+        while True:
+            with self._lock:
+                info = self._infos[session]
+            try:
+                peer, error = self._conn.add_peer(info), None  # validates the layout against ours
+            except (ValueError, RuntimeError, ConnectionError, OSError) as exc:
+                peer, error = None, f"decode rank {session} could not be connected: {exc}"
+                log.warning("kvops: %s", error)
+            with self._handle_lock:
+                with self._lock:
+                    if self._infos[session] != info:
+                        continue  # registered anew meanwhile: link that registration
+                    self._connecting.discard(session)
+                    held = self._held.pop(session, [])
+                    if peer is not None:
+                        self._peers[session] = peer
+                for msg in held:
+                    if peer is not None:
+                        self._replay(msg)
+                    else:
+                        self._fail(int(msg[0]), error)
+                return
