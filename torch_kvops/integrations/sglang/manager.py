@@ -21,7 +21,9 @@ sends metadata rows and pushes what the forward did not (:mod:`.push_queue`);
 connects decode ranks as they register (:mod:`.decode_peers`); ``kvops-sglang-outcome`` turns
 connector outcomes into room statuses; ``kvops-sglang-owed`` (prefill) tells decode
 ranks which rooms it still owes, so their leases outlive a long prefill queue. Threads
-are daemons, as SGLang's own backends' are: they live as long as the scheduler process.
+are daemons, as SGLang's own backends' are: they live as long as the scheduler process
+(the connect threads are a thread pool's: an exiting process waits for an attempt under
+way, bounded by the control timeout and its retries).
 """
 from __future__ import annotations
 
