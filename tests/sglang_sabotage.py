@@ -13,11 +13,16 @@ test's ``vllm_sabotage.Switch`` writes it), in the prefill server:
   transport reports success); every other layer arrives.
 - ``no_renewal`` (in the decode server): the prefill servers' notices of the rooms they
   still owe are dropped, so no lease is renewed while a room waits in a prefill queue.
+- ``slow_prefill``: each prefill forward starts ``SLOW_PREFILL_S`` late (before its push
+  begins), so rooms wait in the prefill queue longer than a lease, whatever the
+  machine's speed.
 """
 import os
+import time
 
 from vllm_sabotage import modes, plugin_env
 
+SLOW_PREFILL_S = 2.0
 STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_standin")
 
 
@@ -31,6 +36,7 @@ def serving_env(directory: str) -> dict:
 
 def install() -> None:
     from torch_kvops.connector.peer import PeerLink
+    from torch_kvops.integrations.sglang.layerwise import LayerwisePrefill
     from torch_kvops.integrations.sglang.manager import STILL_OWED, KvopsKVManager
     from torch_kvops.integrations.sglang.push_queue import PushQueue
     from torch_kvops.transports.mooncake import MooncakeTransport
@@ -86,3 +92,11 @@ def install() -> None:
         return on_decode_message(self, msg)
 
     KvopsKVManager._on_decode_message = sabotaged_on_decode_message
+    forward = LayerwisePrefill.forward
+
+    def sabotaged_forward(self, original, runner, forward_batch, *args, **kwargs):
+        if "slow_prefill" in modes() and forward_batch.forward_mode.is_extend():
+            time.sleep(SLOW_PREFILL_S)
+        return forward(self, original, runner, forward_batch, *args, **kwargs)
+
+    LayerwisePrefill.forward = sabotaged_forward

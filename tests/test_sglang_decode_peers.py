@@ -78,6 +78,8 @@ def test_a_dropping_decode_rank_delays_no_other_ranks_rooms(case, producer, drop
             peers.register("good", good.info)
             assert peers.peer("dropping", room_message(1, "dropping")) == HELD
             assert peers.peer("unknown", room_message(3, "unknown")) is None, "an unregistered rank"
+        if case == "background":  # P owes the held room: its owed notices renew its lease on D
+            assert peers.held_rooms() == {"tcp://127.0.0.1:1": [1]}
         with handle_lock:
             peer = peers.peer("good", room_message(2, "good"))
             if peer != HELD:
@@ -99,6 +101,7 @@ def test_a_dropping_decode_rank_delays_no_other_ranks_rooms(case, producer, drop
         assert good_at - started < ROOM_BOUND_S, f"the healthy rank's room waited {good_at - started:.2f} s"
         assert failed_at - started >= CONFIG["control_timeout_s"]  # its attempt ran its course
         assert attempts.count(dropping["engine_id"]) == 1, attempts  # one attempt at a time
+        assert peers.held_rooms() == {}, "a failed room is owed no more"
         # its next room asks for another attempt, and is held meanwhile
         with handle_lock:
             assert peers.peer("dropping", room_message(4, "dropping")) == HELD

@@ -79,6 +79,17 @@ class DecodePeers:
             self._pool.submit(self._connect, session)
         return HELD
 
+    def held_rooms(self) -> Dict[str, List[int]]:
+        """The rooms held while their decode rank's link is made, by the endpoint of
+        that rank's ZMQ socket: this server owes them (``KvopsKVManager``'s owed
+        notices renew their leases there, so a slow connection fails no room)."""
+        with self._lock:
+            held = [msg for msgs in self._held.values() for msg in msgs]
+        owed: Dict[str, List[int]] = {}
+        for msg in held:
+            owed.setdefault(f"tcp://{msg[1].decode()}:{int(msg[2])}", []).append(int(msg[0]))
+        return owed
+
     def close(self) -> None:
         """Wait for the attempts under way (each bounded by the control timeout and its
         retries) and stop the connect threads."""

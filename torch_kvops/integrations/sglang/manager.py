@@ -299,11 +299,13 @@ class KvopsKVManager(sgl.CommonKVManager):
     def _owed_loop(self) -> None:
         """Prefill: every ``owed_notice_s``, tell each decode rank the rooms this
         server accepted and has not ended (queued for prefill, or pushing), so their
-        leases there outlive a long queue. A prefill that stops telling (dead, frozen,
-        cut off) renews nothing: its rooms fail there when their leases end."""
+        leases there outlive a long queue, and the rooms held while that rank's link is
+        made (a slow connection, e.g. to a decode server just restarted). A prefill that
+        stops telling (dead, frozen, cut off) renews nothing: its rooms fail there when
+        their leases end."""
         while True:
             time.sleep(self.settings.owed_notice_s)
-            owed: Dict[str, List[int]] = {}
+            owed: Dict[str, List[int]] = self.decode_peers.held_rooms()
             for room, status in list(self.request_status.items()):
                 if status in (sgl.KVPoll.WaitingForInput, sgl.KVPoll.Transferring):
                     for dest in self.destinations(room):
