@@ -42,6 +42,9 @@ class SglangServerSpec(_Launched):
     max_total_tokens: int = 16384
     dtype: str = "float32"
     page_size: int = 1
+    # SGLang's scheduler loop spins while fully idle unless told to sleep (it wakes on
+    # the next request): idle servers beside busy ones starve them on a few cores
+    sleep_on_idle: bool = True
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -52,7 +55,7 @@ class SglangServerSpec(_Launched):
                "--device", "cpu", "--attention-backend", "torch_native", "--host", self.host,
                "--port", str(self.port), "--dtype", self.dtype, "--page-size", str(self.page_size),
                "--max-total-tokens", str(self.max_total_tokens), "--random-seed", "0",
-               "--enable-metrics"]
+               "--enable-metrics"] + (["--sleep-on-idle"] if self.sleep_on_idle else [])
         if self.role != "monolithic":
             cmd += ["--disaggregation-mode", self.role,
                     "--disaggregation-transfer-backend", self.transfer_backend]
