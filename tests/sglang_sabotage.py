@@ -13,6 +13,8 @@ test's ``vllm_sabotage.Switch`` writes it), in the prefill server:
   transport reports success); every other layer arrives.
 - ``no_renewal`` (in the decode server): the prefill servers' notices of the rooms they
   still owe are dropped, so no lease is renewed while a room waits in a prefill queue.
+- ``short_lease`` (in the decode server): a room D expects gets a lease of
+  ``SHORT_LEASE_S`` (a renewal or P's begin then extends it by the configured lease).
 - ``slow_prefill``: each prefill forward starts ``SLOW_PREFILL_S`` late (before its push
   begins), so rooms wait in the prefill queue longer than a lease, whatever the
   machine's speed.
@@ -23,6 +25,7 @@ import time
 from vllm_sabotage import modes, plugin_env
 
 SLOW_PREFILL_S = 2.0
+SHORT_LEASE_S = 5.0
 STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_standin")
 
 
@@ -35,6 +38,7 @@ def serving_env(directory: str) -> dict:
 
 
 def install() -> None:
+    from torch_kvops.connector import LayerwiseConnector
     from torch_kvops.connector.peer import PeerLink
     from torch_kvops.integrations.sglang.layerwise import LayerwisePrefill
     from torch_kvops.integrations.sglang.manager import STILL_OWED, KvopsKVManager
@@ -100,3 +104,9 @@ def install() -> None:
         return forward(self, original, runner, forward_batch, *args, **kwargs)
 
     LayerwisePrefill.forward = sabotaged_forward
+    expect = LayerwiseConnector.expect
+
+    def sabotaged_expect(self, req_id, lease_s=None):
+        return expect(self, req_id, SHORT_LEASE_S if "short_lease" in modes() else lease_s)
+
+    LayerwiseConnector.expect = sabotaged_expect
