@@ -27,6 +27,11 @@ MAX_HELD_ROOMS = 1024  # per decode rank while it connects; past that, its rooms
 HELD = "held"  # peer(): the room is held until its decode rank's link is made
 
 
+def room_endpoint(msg: List[bytes]) -> str:
+    """The ZMQ endpoint of the decode rank that sent a room's destination message."""
+    return f"tcp://{msg[1].decode()}:{int(msg[2])}"
+
+
 class DecodePeers:
     """Decode rank session -> the connector's peer id. ``handle_lock`` is the lock the
     receive thread handles each message under (re-entrant: an attempt may end on the
@@ -87,7 +92,7 @@ class DecodePeers:
             held = [msg for msgs in self._held.values() for msg in msgs]
         owed: Dict[str, List[int]] = {}
         for msg in held:
-            owed.setdefault(f"tcp://{msg[1].decode()}:{int(msg[2])}", []).append(int(msg[0]))
+            owed.setdefault(room_endpoint(msg), []).append(int(msg[0]))
         return owed
 
     def close(self) -> None:

@@ -41,7 +41,7 @@ from ...connector import LayerwiseConnector
 from ...plan import TransferRequest
 from ...transports import MooncakeTransport, TransportError
 from . import internals as sgl
-from .decode_peers import HELD, DecodePeers
+from .decode_peers import HELD, DecodePeers, room_endpoint
 from .decode_rooms import DecodeRooms
 from .layerwise import LayerwisePrefill
 from .metrics import Counts
@@ -178,7 +178,7 @@ class KvopsKVManager(sgl.CommonKVManager):
             self.decode_peers.register(msg[3].decode(), info)  # connected off this thread
             return
         room, session = int(msg[0]), msg[3].decode()
-        endpoint = f"tcp://{msg[1].decode()}:{int(msg[2])}"
+        endpoint = room_endpoint(msg)
         required, prefix = int(msg[6]), int(msg[7])
         try:
             peer = self.decode_peers.peer(session, msg) if msg[4] else None
