@@ -106,3 +106,108 @@ def _step(conn, caches, good, slow, good_peer, slow_peer, seed):
             for layer in range(LAYERS):
                 assert np.array_equal(received[layer][DST], caches[layer][src].numpy()), (name, layer)
     return outcomes
+
+
+# --------------------------------------------------------------------------- detached lanes
+
+SRC_SLOW_2, SRC_GOOD_2, DST_2 = list(range(16, 24)), list(range(24, 32)), list(range(0, 8))
+DETACH_S = 0.2
+
+
+@pytest.mark.parametrize("case", ["detach", "abort", "wait"])
+def test_the_next_step_does_not_wait_for_a_slow_consumer(case):
+    """With ``detach_slow_lanes_after_s``, ``wait_for_save`` returns once the layers
+    are handed over and the good consumer's writes are over: the slow consumer's lane
+    finishes alone, and the engine's next step goes on. The next step's request to the
+    good consumer lands at once; the slow consumer's lane of that step starts after the
+    first one ended (both its requests land byte-exact, in order). ``abort``: the engine
+    drops the slow request while its lane writes alone: no later layer of it is written,
+    and it is reported failed on both sides. Negative control (``wait``, no detaching):
+    ``wait_for_save`` waits for the slow consumer's writes."""
+    detach = None if case == "wait" else DETACH_S
+    with NetnsHost(index=4) as host:
+        slow = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, host=host, **CONFIG)
+        good = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **CONFIG)
+        transport = MooncakeTransport(host="127.0.0.1")
+        conn = LayerwiseConnector("producer", transport,
+                                  ConnectorConfig(**CONFIG, detach_slow_lanes_after_s=detach))
+        caches = [torch.zeros(BLOCKS, *BLOCK_SHAPE) for _ in range(LAYERS)]
+        try:
+            conn.register_kv_caches(caches)
+            peers = {"good": conn.add_peer(good.info), "slow": conn.add_peer(slow.info)}
+            host.limit_rate(SLOW_LINK_BIT_S)
+            gen = torch.Generator().manual_seed(3)
+            for cache in caches:
+                cache.copy_(torch.randn(cache.shape, generator=gen))
+            first = {"good": ("good-1", SRC_GOOD, DST), "slow": ("slow-1", SRC_SLOW, DST)}
+            started = time.monotonic()
+            waited = _push(conn, caches, good, slow, peers, first)
+            print(case, f"wait_for_save of step 1: {waited:.2f} s")
+            if case == "wait":
+                assert waited > 3.0, f"the step did not wait for the slow consumer ({waited:.2f} s): " \
+                                     "the control guards nothing"
+                outcomes = _outcomes(conn, {"slow-1", "good-1"}, started)
+                assert outcomes["slow-1"][0] == outcomes["good-1"][0] == "landed", outcomes
+                return
+            assert waited < 1.0, f"wait_for_save waited for the slow consumer ({waited:.2f} s)"
+            assert conn.stats()["lanes_detached"] == 1
+            if case == "abort":
+                assert conn.abort("slow-1", "the engine dropped it")
+                outcomes = _outcomes(conn, {"good-1", "slow-1"}, started)
+                assert outcomes["slow-1"][0] == "failed" and outcomes["good-1"][0] == "landed", outcomes
+                _, failed, _ = slow.call("wait", ["slow-1"], 30.0)
+                assert failed == {"slow-1"}
+                received = slow.call("caches")
+                for layer in (2, 3):  # abort came during layer 0's write (~1 s each)
+                    assert (received[layer][DST] == -7.0).all(), f"layer {layer} was written after the abort"
+                return
+            for cache in caches:  # the next step's KV: the first step's sources unchanged
+                fresh = torch.randn(cache[SRC_SLOW_2 + SRC_GOOD_2].shape, generator=gen)
+                cache[SRC_SLOW_2 + SRC_GOOD_2] = fresh
+            second = {"good": ("good-2", SRC_GOOD_2, DST_2), "slow": ("slow-2", SRC_SLOW_2, DST_2)}
+            started_2 = time.monotonic()
+            _push(conn, caches, good, slow, peers, second)
+            outcomes = _outcomes(conn, {"good-1", "slow-1", "good-2", "slow-2"}, started)
+            print(case, {k: (v[0], round(v[1], 2)) for k, v in outcomes.items()})
+            assert {k: v[0] for k, v in outcomes.items()} == dict.fromkeys(outcomes, "landed"), outcomes
+            good_2_s = outcomes["good-2"][1] - (started_2 - started)
+            assert good_2_s < GOOD_BOUND_S, f"step 2's good request waited {good_2_s:.2f} s"
+            assert outcomes["good-2"][1] < outcomes["slow-1"][1] < outcomes["slow-2"][1], outcomes
+            for consumer, name in ((good, "good"), (slow, "slow")):
+                names = [f"{name}-1", f"{name}-2"]
+                assert consumer.call("wait", names, 30.0)[0] == set(names)
+                received = consumer.call("caches")
+                for rid, src, dst in (first[name], second[name]):
+                    for layer in range(LAYERS):
+                        assert np.array_equal(received[layer][dst], caches[layer][src].numpy()), (rid, layer)
+        finally:
+            conn.close()
+            transport.close()
+            good.stop()
+            slow.stop()
+
+
+def _push(conn, caches, good, slow, peers, requests):
+    """One step of ``requests`` ({"good"/"slow": (id, src, dst)}); returns how long
+    ``wait_for_save`` took."""
+    for name, consumer in (("good", good), ("slow", slow)):
+        consumer.call("expect", [requests[name][0]])
+    conn.start_step([TransferRequest(rid, peers[name], src, dst) for name, (rid, src, dst) in requests.items()])
+    for layer, cache in enumerate(caches):
+        conn.save_kv_layer(layer, cache)
+    t0 = time.monotonic()
+    conn.wait_for_save(timeout=60)
+    return time.monotonic() - t0
+
+
+def _outcomes(conn, req_ids, started):
+    """{request: (P's outcome, seconds from ``started``)}, once every request has one."""
+    outcomes = {}
+    deadline = time.monotonic() + 60
+    while len(outcomes) < len(req_ids) and time.monotonic() < deadline:
+        done, failed = conn.get_finished()
+        for req_id in (done | failed) & req_ids:
+            outcomes[req_id] = ("landed" if req_id in done else "failed", time.monotonic() - started)
+        time.sleep(0.005)
+    assert len(outcomes) == len(req_ids), f"no outcome within 60 s: {outcomes}"
+    return outcomes

@@ -34,6 +34,12 @@ class ConnectorConfig:
     retry_backoff_s: float = 0.05  # doubled after each retry
     event_timeout_s: float = 60.0  # a pushed layer's device event must complete by then
     step_timeout_s: float = 600.0  # all layers of a step must be pushed by then
+    # producer: None, wait_for_save returns once every peer's writes of the step are
+    # over; a number, once every layer is handed to the peers' lanes and each lane has
+    # ended or written this long past the last hand-off: a lane still writing (a slow
+    # consumer) goes on alone, its requests in flight, and the engine's next step does
+    # not wait for it (peer_step.py). The vLLM adapter sets 0.5 s.
+    detach_slow_lanes_after_s: Optional[float] = None
     lease_s: float = 30.0  # consumer: a started request must progress within this
     # consumer: renewals by a producer that says it still owes the push (renew()) end
     # this long after the request was first expected
@@ -84,6 +90,9 @@ class ConnectorConfig:
             raise ValueError(f"begin_waits_for_expect_s must be None or in [0, begin_timeout_s="
                              f"{self.begin_answer_timeout_s}) (the producer waits that long for an "
                              f"answer), got {wait!r}")
+        detach = self.detach_slow_lanes_after_s
+        if detach is not None and not 0 <= detach < float("inf"):
+            raise ValueError(f"detach_slow_lanes_after_s must be None or a number >= 0, got {detach!r}")
         if self.staging_slots < 2:
             raise ValueError("staging_slots must be >= 2: one slot group is gathered while the "
                              f"other is on the wire, got {self.staging_slots}")

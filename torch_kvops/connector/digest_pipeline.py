@@ -70,12 +70,13 @@ class DigestPipeline:
             except PeerFailed as exc:
                 failed_peers.setdefault(peer.peer_id, str(exc))
 
-    def discard(self) -> None:
-        """Forget what is pending (a failed step): waits for the running jobs."""
-        for pending in list(self._pending.values()):
+    def discard(self, peer_id: Optional[str] = None) -> None:
+        """Forget what is pending for ``peer_id``, or for every peer (a lane that ended
+        in an exception, or the pipeline closing): waits for the running jobs."""
+        for pid in ([peer_id] if peer_id is not None else list(self._pending)):
+            pending = self._pending.pop(pid, None)
             while pending:
                 pending.popleft()[1].exception()
-        self._pending.clear()
 
     def close(self, wait: bool = True) -> None:
         """Stop the worker. ``wait=False`` where the sender thread may still run (it did

@@ -42,7 +42,7 @@ class ConnectorStats:
                              staged_writes=0, chunks_after_failure=0, control_not_owner=0,
                              scatter_refused=0, integrity_failures=0, integrity_us=0,
                              fenced=0, write_lease_ended=0, write_lease_renewals=0, revoked_notices=0,
-                             revokes_acknowledged=0, failed_revoked=0)
+                             revokes_acknowledged=0, failed_revoked=0, lanes_detached=0)
         self.wait_s = np.zeros(num_layers)
         self.transfer_s = np.zeros(num_layers)
         self.samples = np.zeros(num_layers, dtype=np.int64)

@@ -12,6 +12,11 @@ their own writes are over. A peer still writing when the step's budget
 step outlasts half its write lease, while it runs, announces its requests again before
 its next write (a new grant), so a slow forward is not taken for a stopped producer.
 
+With ``detach_slow_lanes_after_s``, a lane still writing once the step's layers are
+handed over is left to finish alone (the engine's next step goes on): the peer's lane
+of a later step starts after it ends (``after``), and an abort of one of its requests
+(:meth:`PeerStep.abort`) stops that request's writes before the lane's next write.
+
 A lane owns its :class:`~torch_kvops.connector.peer.PeerLink` for the step: nothing else
 reads its control channel until the sender thread has joined the lane.
 """
@@ -60,7 +65,7 @@ class PeerStep:
 
     def __init__(self, step: "_Step", peer: PeerLink, layout: KVLayout, config: ConnectorConfig,
                  ledger: RequestLedger, stats: ConnectorStats, digests: DigestPipeline,
-                 stop: threading.Event) -> None:
+                 stop: threading.Event, after: Optional["PeerStep"] = None) -> None:
         self.peer = peer
         self.error: Optional[BaseException] = None  # a bug, re-raised by the sender thread
         self.landed: Dict[int, float] = {}  # layer -> when its write returned (perf_counter)
@@ -74,6 +79,10 @@ class PeerStep:
         self._digests = digests
         self._stop = stop
         self._deadline = step.started + config.step_timeout_s
+        self._after = after  # the peer's lane of an earlier step, still running
+        self._lock = threading.Lock()  # the engine thread's abort() against this lane
+        self._aborted: Dict[str, str] = {}  # request -> reason, not yet dropped
+        self._concluding = False
         self._merge()
         self._jobs: "queue.Queue[Optional[Tuple[int, Optional[int]]]]" = queue.Queue()
         self._thread = threading.Thread(target=self._main, name="kvops-lane", daemon=True)
@@ -94,14 +103,39 @@ class PeerStep:
         """No more layers: conclude the step once the pushed ones are written."""
         self._jobs.put(None)
 
-    def join(self) -> None:
-        """Wait for the lane to end. Bounded without a timeout here: each write is
-        bounded by the transfer timeout and its retries, and layers handed over after
-        the step's budget ended are not written."""
-        self._thread.join()
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Wait for the lane to end (at most ``timeout``). Bounded without one: each
+        write is bounded by the transfer timeout and its retries, layers handed over
+        after the step's budget ended are not written, and an earlier lane it waits
+        for is bounded alike."""
+        self._thread.join(timeout)
 
     def idle(self) -> None:
         """The sender waits for a layer (the lane thread reads its peer meanwhile)."""
+
+    @property
+    def running(self) -> bool:
+        """The lane's thread has not ended (it owns its peer's link until it does)."""
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def abort(self, req_id: str, reason: str) -> bool:
+        """Stop ``req_id``'s writes in this lane and the earlier ones it waits for (a
+        detached lane's request the engine dropped): none starts after this returns;
+        the lane then tells the consumer and reports the request failed. False if no
+        running lane carries it; a lane that concludes already is waited for (its
+        notices only), so the request's outcome is decided when this returns."""
+        earlier = self._after
+        marked = earlier is not None and earlier.running and earlier.abort(req_id, reason)
+        with self._lock:
+            carried = any(req.req_id == req_id for req, _, _ in self._entries)
+            if carried and not self._concluding:
+                self._aborted[req_id] = reason
+                return True
+        if carried:
+            self.join()
+        return marked
 
     # ------------------------------------------------------------------ lane thread
 
@@ -114,6 +148,9 @@ class PeerStep:
 
     def _main(self) -> None:
         try:
+            if self._after is not None:  # one lane at a time owns the peer's link
+                self._after.join()
+                self._after = None
             self._begin()
             while True:
                 try:
@@ -130,6 +167,7 @@ class PeerStep:
             self.error = exc
         finally:
             self.peer.drop_prefetch()
+            self._digests.discard(self.peer.peer_id)  # left only when the lane raised
 
     def _begin(self) -> None:
         """Announce the requests; drop (and fail) those the peer no longer accepts.
@@ -139,6 +177,7 @@ class PeerStep:
         layers keep coming; a producer that stopped past its lease renews nothing, and
         the fence stands."""
         peer = self.peer
+        self._drop_aborted()
         if peer.dead:
             self._fail(peer.dead)
             return
@@ -176,6 +215,7 @@ class PeerStep:
                        f"({self._config.step_timeout_s} s)")
         if self._failed is not None:
             return
+        self._drop_aborted()
         self._handle_revokes()
         if self._failed is None and self._src.size and self.peer.write_lease_renewable():
             self._stats.add(write_lease_renewals=1)
@@ -204,6 +244,9 @@ class PeerStep:
         """Per request: a "chunk landed" notice (all its bytes of this step returned
         from the transport), or a failure notice; the outcome reported."""
         peer = self.peer
+        with self._lock:
+            self._concluding = True
+        self._drop_aborted()
         bytes_per_block = sum(layer.block_bytes for layer in self._layout.layers)
         self._digests.send_ready(peer, self._step.failed_peers, wait=True)  # before chunk notices
         for req, src, dst in self._entries:
@@ -221,6 +264,25 @@ class PeerStep:
             peer.notify_failed(req.req_id, self._failed)
             self._stats.add(failed_push=1)
             self._ledger.report(req.req_id, ok=False, hold=peer.quarantine())
+
+    def _drop_aborted(self) -> None:
+        """Requests the engine aborted (abort()): no write of theirs starts from now;
+        their consumer is told and their failure reported."""
+        with self._lock:
+            carried = {req.req_id for req, _, _ in self._entries}
+            # one revoked or rejected meanwhile is failed already
+            aborted = {r: why for r, why in self._aborted.items() if r in carried}
+            self._aborted = {}
+            if aborted:
+                self._drop(set(aborted))
+        if not aborted:
+            return
+        self.peer.drop_prefetch()  # gathered for the blocks of the old plan
+        for req_id, reason in sorted(aborted.items()):
+            if not self.peer.dead:
+                self.peer.notify_failed(req_id, reason)
+            self._stats.add(failed_aborted=1)
+            self._ledger.report(req_id, ok=False, hold=self.peer.quarantine())
 
     def _drop(self, req_ids: Set[str]) -> None:
         self._entries = [e for e in self._entries if e[0].req_id not in req_ids]
@@ -241,6 +303,10 @@ class InlinePeerStep(PeerStep):
         self._begin()
         return self
 
+    @property
+    def running(self) -> bool:
+        return False
+
     def push(self, layer: int, prefetch: Optional[int]) -> None:
         try:
             self._write(layer, prefetch)
@@ -254,8 +320,9 @@ class InlinePeerStep(PeerStep):
                 self._conclude()
         finally:
             self.peer.drop_prefetch()
+            self._digests.discard(self.peer.peer_id)  # left only when the step raised
 
-    def join(self) -> None:
+    def join(self, timeout: Optional[float] = None) -> None:
         pass
 
     def idle(self) -> None:

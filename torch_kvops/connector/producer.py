@@ -29,6 +29,7 @@ from .digest_pipeline import DigestPipeline
 from .integrity import make_digester, stronger_mode
 from .ledger import ConnectorStats, RequestLedger
 from .peer import PeerLink
+from .peer_step import PeerStep
 from .sender import StepSender, _Step
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class ProducerSide(StepSender):
         self._tls = tls.client_context() if tls is not None else None
         self._peers: Dict[str, PeerLink] = {}
         self._connecting: Dict[str, list] = {}  # engine id -> [its lock, callers using it]
+        self._tails: Dict[str, PeerStep] = {}  # lanes left to finish alone (sender.py)
         self._events = LayerEvents(len(caches), caches[0].device)
         for i, cache in enumerate(self._caches):
             self._events.bind(i, cache)
@@ -162,6 +164,7 @@ class ProducerSide(StepSender):
         now = time.monotonic()
         with self._ledger.lock:
             busy = set(self._ledger.in_flight.values())
+            busy |= {pid for pid, lane in list(self._tails.items()) if lane.running}
             free = sorted((peer for pid, peer in self._peers.items() if pid not in busy),
                           key=lambda peer: peer.last_used)  # least recently used first
             stale = {peer.peer_id for peer in free if peer.dead or now - peer.last_used >= idle_s}
@@ -250,9 +253,15 @@ class ProducerSide(StepSender):
         """Engine thread, between steps: fail an in-flight request whose remaining
         chunks will never be sent (the engine dropped it), telling its consumer now
         rather than at lease expiry. False if it is not in flight (never started, or
-        its outcome is decided already)."""
+        its outcome is decided already). A request a lane still writes alone (after
+        its step, ``detach_slow_lanes_after_s``) has no write start after this
+        returns; the lane reports its failure once its write under way returned, so
+        the engine frees its blocks after that."""
         if self._current is not None and not self._current.done.is_set():
             raise RuntimeError("abort while a step is sending: call wait_for_save() first")
+        for lane in list(self._tails.values()):
+            if lane.running and lane.abort(req_id, reason):
+                return True
         return self._abort(req_id, reason)
 
     def _abort(self, req_id: str, reason: str) -> bool:
@@ -285,6 +294,11 @@ class ProducerSide(StepSender):
         self._sender.join(timeout)
         if self._sender.is_alive():
             problems.append("the sender thread did not stop within the close timeout")
+        for lane in list(self._tails.values()):  # they write nothing more once stopped
+            lane.join(timeout)
+            if lane.running:
+                problems.append(f"the lane of peer {lane.peer.peer_id} did not stop within the "
+                                "close timeout")
         self._digests.close(wait=not self._sender.is_alive())
         self._fail_all_in_flight("connector closed")
         with self._ledger.lock:

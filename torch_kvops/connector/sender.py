@@ -53,6 +53,7 @@ class StepSender:
     _ledger: RequestLedger
     _stats: ConnectorStats
     _peers: Dict[str, PeerLink]
+    _tails: Dict[str, PeerStep]  # per peer: its last lane, until seen ended
     _events: LayerEvents
     _steps: "queue.Queue[Optional[_Step]]"
     _last_trace: List[dict]
@@ -96,23 +97,29 @@ class StepSender:
 
     def _run_step(self, step: _Step) -> None:
         """Hand each layer to every peer's lane as its KV write completes (peer_step.py),
-        then wait for the lanes: each writes, and concludes, its own peer's requests. A
-        step with one peer runs its work on this thread."""
+        then wait for the lanes: each writes, and concludes, its own peer's requests.
+        With ``detach_slow_lanes_after_s``, a lane still writing that long after the
+        last hand-off goes on alone. A step with one peer, when no lane is left to
+        finish alone, runs its work on this thread."""
         self._stats.add(steps=1)
+        self._reap_lanes()
         self._fail_refused(step)
         peer_ids = [peer_id for peer_id, entries in step.plan.by_peer.items() if entries]
-        lane = PeerStep if len(peer_ids) > 1 else InlinePeerStep
+        after = {pid: lane for pid, lane in self._tails.items() if pid in peer_ids and lane.running}
+        detach = self._config.detach_slow_lanes_after_s
+        lane = PeerStep if len(peer_ids) > 1 or detach is not None or after else InlinePeerStep
         lanes = [lane(step, self._peers[peer_id], self._layout, self._config, self._ledger,
-                      self._stats, self._digests, self._stop).start() for peer_id in peer_ids]
+                      self._stats, self._digests, self._stop, after=after.get(peer_id)).start()
+                 for peer_id in peer_ids]
         handed: List[Tuple[int, float, float]] = []  # (layer, taken, event ready)
+        all_handed = False
         try:
             self._hand_layers(step, lanes, handed)
+            all_handed = not self._stop.is_set()
         finally:
             for lane in lanes:
                 lane.finish()
-            for lane in lanes:
-                lane.join()
-            self._digests.discard()  # left only when a lane ended in an exception
+            self._join_lanes(lanes, detach if all_handed else None)
         trace: List[dict] = []
         for layer, t0, t1 in handed:
             staged, landed = lanes_landed(lanes, layer, default=t1)
@@ -123,6 +130,29 @@ class StepSender:
         for lane in lanes:
             if lane.error is not None:
                 raise lane.error
+
+    def _join_lanes(self, lanes: List[PeerStep], detach_after_s: Optional[float]) -> None:
+        """Wait for the step's lanes; with ``detach_after_s``, at most that long: a lane
+        still running then is its peer's tail, which the peer's next lane waits for."""
+        deadline = None if detach_after_s is None else time.monotonic() + detach_after_s
+        for lane in lanes:
+            lane.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if lane.running:
+                self._stats.add(lanes_detached=1)
+                log.info("peer %s still writing after the step: its lane goes on alone",
+                         lane.peer.peer_id)
+                self._tails[lane.peer.peer_id] = lane
+            else:
+                self._tails.pop(lane.peer.peer_id, None)
+
+    def _reap_lanes(self) -> None:
+        """Forget the tails that ended; one that ended in an exception (a bug) ends the
+        sender thread, as a lane of the running step does."""
+        for peer_id, lane in list(self._tails.items()):
+            if not lane.running:
+                del self._tails[peer_id]
+                if lane.error is not None:
+                    raise lane.error
 
     def _hand_layers(self, step: _Step, lanes: List[PeerStep],
                      handed: List[Tuple[int, float, float]]) -> None:
@@ -178,6 +208,9 @@ class StepSender:
         failure notice counts), and they are reported failed: a later chunk is dropped."""
         for req_id, (req, reason) in step.plan.refused.items():
             log.warning("request %s refused: %s", req_id, reason)
+            tail = self._tails.get(req.peer)
+            if tail is not None:  # it owns the link until it ends (rare: refusals are)
+                tail.join()
             peer = self._peers.get(req.peer)
             if peer is not None and not peer.dead:
                 try:
@@ -192,8 +225,9 @@ class StepSender:
     def _handle_revokes(self) -> None:
         """Between steps: read what consumers sent meanwhile and stop the requests they
         revoked (in a step, each peer's lane does this for its own peer)."""
+        self._reap_lanes()
         with self._ledger.lock:
-            peers = list(self._peers.values())
+            peers = [peer for pid, peer in self._peers.items() if pid not in self._tails]
         for peer in peers:
             if not peer.dead:
                 peer.poll()
