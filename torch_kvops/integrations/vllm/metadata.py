@@ -22,6 +22,9 @@ SIDE_CHANNEL_PORT_ENV = "KVOPS_SIDE_CHANNEL_PORT"
 DEFAULT_SIDE_CHANNEL_PORT = 8999
 BEGIN_WAITS_FOR_EXPECT_S = 10.0  # D: how long a begin waits for its request's expect()
 BEGIN_TIMEOUT_S = 15.0  # P: how long it waits for the answer to a begin (D may hold it)
+# P: wait_for_save waits at most this long for a decode rank's writes once the step's
+# layers are handed over; a slower one's lane finishes alone (connector/peer_step.py)
+DETACH_SLOW_LANES_AFTER_S = 0.5
 # kv_connector_extra_config keys of vLLM's MooncakeConnector -> ours
 MOONCAKE_CONNECTOR_ALIASES = {"mooncake_protocol": "protocol"}
 
@@ -87,7 +90,10 @@ class KvopsSettings:
         registration and buffer) once it failed, or carried no request for this long,
         and has none in flight; it is connected again when a request needs it. A
         restarted D is a new instance: without this, P would keep every link it ever had.
-    connector: ConnectorConfig fields (lease_s, transfer_timeout_s, ...).
+    connector: ConnectorConfig fields (lease_s, transfer_timeout_s, ...). Set here
+        unless given: begin_timeout_s 15 s, begin_waits_for_expect_s 10 s, and
+        detach_slow_lanes_after_s 0.5 s (a slow decode rank delays P's next step by at
+        most that; null: wait_for_save waits for every write of the step).
     fleet_key_file: the fleet key (else the file ``$KVOPS_FLEET_KEY_FILE`` names): signs
         every side-channel message and derives the control channel's secrets
         (side_channel/auth.py); without one, a warning at start-up names what is exposed.
@@ -228,6 +234,7 @@ class KvopsSettings:
     def connector_config(self) -> ConnectorConfig:
         fields = dict({"step_timeout_s": self.step_timeout_s}, **self.connector)
         fields.setdefault("begin_timeout_s", BEGIN_TIMEOUT_S)
+        fields.setdefault("detach_slow_lanes_after_s", DETACH_SLOW_LANES_AFTER_S)
         config = ConnectorConfig(**fields)
         if "begin_waits_for_expect_s" in fields:
             return config
