@@ -114,7 +114,7 @@ SRC_SLOW_2, SRC_GOOD_2, DST_2 = list(range(16, 24)), list(range(24, 32)), list(r
 DETACH_S = 0.2
 
 
-@pytest.mark.parametrize("case", ["detach", "abort", "wait"])
+@pytest.mark.parametrize("case", ["detach", "abort", "integrity_chunk", "wait"])
 def test_the_next_step_does_not_wait_for_a_slow_consumer(case):
     """With ``detach_slow_lanes_after_s``, ``wait_for_save`` returns once the layers
     are handed over and the good consumer's writes are over: the slow consumer's lane
@@ -122,15 +122,19 @@ def test_the_next_step_does_not_wait_for_a_slow_consumer(case):
     good consumer lands at once; the slow consumer's lane of that step starts after the
     first one ended (both its requests land byte-exact, in order). ``abort``: the engine
     drops the slow request while its lane writes alone: no later layer of it is written,
-    and it is reported failed on both sides. Negative control (``wait``, no detaching):
-    ``wait_for_save`` waits for the slow consumer's writes."""
+    and it is reported failed on both sides. ``integrity_chunk``: with integrity digests,
+    a chunk that is not its request's last is never left alone (the next forward writes
+    the rest of its last block, and a late digest would not match): the step waits.
+    Negative control (``wait``, no detaching): ``wait_for_save`` waits for the slow
+    consumer's writes."""
     detach = None if case == "wait" else DETACH_S
+    integrity = "checksum" if case == "integrity_chunk" else "off"
     with NetnsHost(index=4) as host:
         slow = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, host=host, **CONFIG)
         good = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **CONFIG)
         transport = MooncakeTransport(host="127.0.0.1")
-        conn = LayerwiseConnector("producer", transport,
-                                  ConnectorConfig(**CONFIG, detach_slow_lanes_after_s=detach))
+        conn = LayerwiseConnector("producer", transport, ConnectorConfig(
+            **CONFIG, detach_slow_lanes_after_s=detach, integrity_check=integrity))
         caches = [torch.zeros(BLOCKS, *BLOCK_SHAPE) for _ in range(LAYERS)]
         try:
             conn.register_kv_caches(caches)
@@ -141,8 +145,12 @@ def test_the_next_step_does_not_wait_for_a_slow_consumer(case):
                 cache.copy_(torch.randn(cache.shape, generator=gen))
             first = {"good": ("good-1", SRC_GOOD, DST), "slow": ("slow-1", SRC_SLOW, DST)}
             started = time.monotonic()
-            waited = _push(conn, caches, good, slow, peers, first)
+            waited = _push(conn, caches, good, slow, peers, first, last_chunk=case != "integrity_chunk")
             print(case, f"wait_for_save of step 1: {waited:.2f} s")
+            if case == "integrity_chunk":
+                assert waited > 3.0, f"a chunk with digests was left alone ({waited:.2f} s)"
+                assert conn.stats()["lanes_detached"] == 0
+                return
             if case == "wait":
                 assert waited > 3.0, f"the step did not wait for the slow consumer ({waited:.2f} s): " \
                                      "the control guards nothing"
@@ -187,12 +195,13 @@ def test_the_next_step_does_not_wait_for_a_slow_consumer(case):
             slow.stop()
 
 
-def _push(conn, caches, good, slow, peers, requests):
+def _push(conn, caches, good, slow, peers, requests, last_chunk=True):
     """One step of ``requests`` ({"good"/"slow": (id, src, dst)}); returns how long
     ``wait_for_save`` took."""
     for name, consumer in (("good", good), ("slow", slow)):
         consumer.call("expect", [requests[name][0]])
-    conn.start_step([TransferRequest(rid, peers[name], src, dst) for name, (rid, src, dst) in requests.items()])
+    conn.start_step([TransferRequest(rid, peers[name], src, dst, last_chunk=last_chunk)
+                     for name, (rid, src, dst) in requests.items()])
     for layer, cache in enumerate(caches):
         conn.save_kv_layer(layer, cache)
     t0 = time.monotonic()

@@ -11,6 +11,10 @@ PROTOCOL_VERSION = 4
 
 INTEGRITY_MODES = ("off", "checksum", "mac")  # weakest first
 
+# The engine adapters' detach_slow_lanes_after_s: a slow consumer delays the engine's
+# next step by at most this (its lane then finishes alone, peer_step.py)
+ENGINE_DETACH_SLOW_LANES_AFTER_S = 0.5
+
 
 def integrity_mode(value: Union[bool, str, None]) -> str:
     """``integrity_check`` as one of INTEGRITY_MODES: True means "mac" (what True always
@@ -38,7 +42,7 @@ class ConnectorConfig:
     # over; a number, once every layer is handed to the peers' lanes and each lane has
     # ended or written this long past the last hand-off: a lane still writing (a slow
     # consumer) goes on alone, its requests in flight, and the engine's next step does
-    # not wait for it (peer_step.py). The vLLM adapter sets 0.5 s.
+    # not wait for it (peer_step.py). The engine adapters set 0.5 s.
     detach_slow_lanes_after_s: Optional[float] = None
     lease_s: float = 30.0  # consumer: a started request must progress within this
     # consumer: renewals by a producer that says it still owes the push (renew()) end

@@ -118,6 +118,14 @@ class PeerStep:
         """The lane's thread has not ended (it owns its peer's link until it does)."""
         return self._thread.is_alive()
 
+    @property
+    def may_detach(self) -> bool:
+        """Whether the lane may finish alone while the engine's next step runs. Not
+        with integrity digests of a chunk that is not a request's last: the next
+        forward writes the rest of the chunk's last, partial block, and a digest read
+        after that would not match the bytes written before (a false failure)."""
+        return self.peer.digester is None or all(req.last_chunk for req, _, _ in self._entries)
+
     # ------------------------------------------------------------------ engine thread
 
     def abort(self, req_id: str, reason: str) -> bool:

@@ -136,7 +136,8 @@ class StepSender:
         still running then is its peer's tail, which the peer's next lane waits for."""
         deadline = None if detach_after_s is None else time.monotonic() + detach_after_s
         for lane in lanes:
-            lane.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            bounded = deadline is not None and lane.may_detach
+            lane.join(max(0.0, deadline - time.monotonic()) if bounded else None)
             if lane.running:
                 self._stats.add(lanes_detached=1)
                 log.info("peer %s still writing after the step: its lane goes on alone",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict
 
 from ...connector import ConnectorConfig
+from ...connector.config import ENGINE_DETACH_SLOW_LANES_AFTER_S
 
 CONFIG_ENV = "KVOPS_SGLANG_CONFIG"
 
@@ -54,4 +55,6 @@ class KvopsSglangSettings:
         # waits that long, then is refused (connector/consumer_admission.py)
         fields_.setdefault("begin_timeout_s", 15.0)  # P waits that long for begin's answer
         fields_.setdefault("begin_waits_for_expect_s", 10.0)
+        # a slow decode server delays P's next forward by at most this
+        fields_.setdefault("detach_slow_lanes_after_s", ENGINE_DETACH_SLOW_LANES_AFTER_S)
         return ConnectorConfig(**fields_)

@@ -11,6 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ...addresses import Endpoint, endpoint
 from ...connector import ConnectorConfig
+from ...connector.config import ENGINE_DETACH_SLOW_LANES_AFTER_S
 
 if TYPE_CHECKING:
     from .side_channel import FleetAuth, TlsFiles
@@ -22,9 +23,6 @@ SIDE_CHANNEL_PORT_ENV = "KVOPS_SIDE_CHANNEL_PORT"
 DEFAULT_SIDE_CHANNEL_PORT = 8999
 BEGIN_WAITS_FOR_EXPECT_S = 10.0  # D: how long a begin waits for its request's expect()
 BEGIN_TIMEOUT_S = 15.0  # P: how long it waits for the answer to a begin (D may hold it)
-# P: wait_for_save waits at most this long for a decode rank's writes once the step's
-# layers are handed over; a slower one's lane finishes alone (connector/peer_step.py)
-DETACH_SLOW_LANES_AFTER_S = 0.5
 # kv_connector_extra_config keys of vLLM's MooncakeConnector -> ours
 MOONCAKE_CONNECTOR_ALIASES = {"mooncake_protocol": "protocol"}
 
@@ -234,7 +232,7 @@ class KvopsSettings:
     def connector_config(self) -> ConnectorConfig:
         fields = dict({"step_timeout_s": self.step_timeout_s}, **self.connector)
         fields.setdefault("begin_timeout_s", BEGIN_TIMEOUT_S)
-        fields.setdefault("detach_slow_lanes_after_s", DETACH_SLOW_LANES_AFTER_S)
+        fields.setdefault("detach_slow_lanes_after_s", ENGINE_DETACH_SLOW_LANES_AFTER_S)
         config = ConnectorConfig(**fields)
         if "begin_waits_for_expect_s" in fields:
             return config
