@@ -7,7 +7,7 @@ The engines run with vLLM's message-queue busy-spin cut to 2 ms (``shm_busy_loop
 the setting vllm-project/vllm#52814 proposes; serving/shm_spin/): five engines that
 each spin a core for 1 s after every step overload 2 cores (docs/benchmarks.md, "Where
 the serving stalls went"). The P's load tests/vllm_sabotage.py as a vLLM plugin, idle
-until a test names a mode in ``Fleet.sabotage``.
+until a test names a mode in ``Fleet.sabotage``; so does D1 (D2 never does).
 """
 from __future__ import annotations
 
@@ -106,9 +106,12 @@ def started_fleet() -> Iterator[Fleet]:
                 f"P{i}", model, role="prefill", env=serving_env(os.path.join(tmp, "plugin"),
                                                                 "prefill"),
                 kv_connector_extra_config={"hold_for_decode_s": HOLD_S}, **common)) for i in (1, 2)]
+            # D1 loads the sabotage plugin too (a slow D); D2 never does
             decode = [servers.add(ServerSpec(f"D{i}", model, role="decode", lease_s=LEASE_S,
                                              kv_connector_extra_config={"connector": {
-                                                 "fence_drain_s": FENCE_DRAIN_S}}, **common))
+                                                 "fence_drain_s": FENCE_DRAIN_S}},
+                                             env=serving_env(os.path.join(tmp, "plugin"), "decode")
+                                             if i == 1 else {}, **common))
                       for i in (1, 2)]
             servers.add(ServerSpec("ref", model, role="monolithic", **common))
             servers.add(RouterSpec("router", prefill, decode))

@@ -14,6 +14,8 @@ serve`, torch_kvops.serving.load).
 - Through our proxy, D first and concurrent, completions and chat, streamed or not:
   the reference's answers, D computing at most one block; requests spread over both
   P and both D.
+- A slow D (its `begin` answers 3 s late) holds up no P step, and the other D's
+  requests are served as without it; the negative control (``no_detach``) waits.
 - Faults under load: SIGKILL of a P (answered or failed within the lease, traffic moves
   to the other P, the restarted P takes traffic again; the negative control, a proxy
   that neither retries nor avoids the dead P, fails more than the in-flight requests),
@@ -196,6 +198,57 @@ def test_negative_control_without_transfer_decode_computes_the_prompts(fleet):
     local = fleet.prompt_tokens("local_compute") - before
     assert local == sum(got["input_lens"]) > phase["num_prompts"]
     fleet.wait_all_idle(HOLD_S + 30)  # P held the blocks of 8 destinations that never came
+
+
+SLOW_D_LOAD = dict(num_prompts=24, input_len=600, range_ratio=0.5, seed=5)  # 300-900
+
+
+def test_a_slow_decode_holds_up_no_prefill_step(fleet):
+    """D1 answers every ``begin`` 3 s late (``slow_begin``: its control thread stalls),
+    under load through the proxy. P's lane to D1 waits; P's steps do not: no
+    ``wait_for_save`` of either P lasts 2.5 s (vLLM's kvops_exposed_transfer_seconds),
+    and D2's requests (vLLM's TTFT on D2) are served about as without the fault; every
+    answer equals the reference. Negative control in the same run (``no_detach``, the
+    sender waits for every peer of a step): P's steps wait for D1, and D2's requests
+    with them."""
+    ref = fleet.reference(**SLOW_D_LOAD)
+    runs = {}
+    try:
+        for case, modes in (("baseline", ()), ("slow_d", ("slow_begin",)),
+                            ("no_detach", ("slow_begin", "no_detach"))):
+            fleet.sabotage.set(*modes)
+            before = _slow_d_counters(fleet)
+            got = fleet.load("proxy", **SLOW_D_LOAD)
+            wrong = same_answers(got, ref)
+            assert not wrong, f"{case}: answers differ from the reference: {wrong}"
+            after = _slow_d_counters(fleet)
+            delta = {k: after[k] - before[k] for k in after}
+            runs[case] = dict(delta, d2_mean_ttft=delta["d2_ttft_sum"] / max(delta["d2_requests"], 1))
+            fleet.sabotage.set()
+            fleet.wait_all_idle(90)
+    finally:
+        fleet.sabotage.set()
+    print({case: {k: round(v, 3) for k, v in r.items()} for case, r in runs.items()})
+    base, slow, control = runs["baseline"], runs["slow_d"], runs["no_detach"]
+    assert slow["d2_requests"] >= 4 and control["d2_requests"] >= 4, runs
+    assert control["p_steps_over_2_5_s"] >= 1, f"P's steps did not wait for D1: the control guards nothing: {runs}"
+    assert slow["p_steps_over_2_5_s"] == 0, f"a P step waited for the slow D: {runs}"
+    assert slow["d2_mean_ttft"] <= base["d2_mean_ttft"] + 0.5, runs
+    assert control["d2_mean_ttft"] > slow["d2_mean_ttft"], runs
+
+
+def _slow_d_counters(fleet: Fleet) -> Dict[str, float]:
+    """P's push steps that waited over 2.5 s after their forward, D2's requests and the
+    sum of their TTFTs (vLLM's histograms, cumulative)."""
+    p_over = 0.0
+    for p in ("P1", "P2"):
+        samples = fleet.servers[p].metrics()
+        p_over += (prometheus.total(samples, "vllm:kvops_exposed_transfer_seconds_count")
+                   - prometheus.total(samples, "vllm:kvops_exposed_transfer_seconds_bucket", le="2.5"))
+    d2 = fleet.servers["D2"].metrics()
+    return {"p_steps_over_2_5_s": p_over,
+            "d2_requests": prometheus.total(d2, "vllm:time_to_first_token_seconds_count"),
+            "d2_ttft_sum": prometheus.total(d2, "vllm:time_to_first_token_seconds_sum")}
 
 
 def _load_and_kill(fleet: Fleet, victim: str, front: str = "proxy", pushes_in_flight: bool = False,

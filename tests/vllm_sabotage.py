@@ -32,7 +32,9 @@ prefill engine:
 - ``skip_last_block``: the worker leaves the last block out of each request's last
   chunk (a hole in a transfer that reports itself finished);
 - ``no_link_release``: the worker never releases a link to a decode instance, failed
-  or idle (integrations/vllm/links.py: P keeps every D it ever had).
+  or idle (integrations/vllm/links.py: P keeps every D it ever had);
+- ``no_detach``: the sender waits for every peer's writes of a step before the step
+  ends, however slow (``detach_slow_lanes_after_s`` off: a slow D holds up P's steps).
 
 In a decode engine:
 
@@ -43,7 +45,9 @@ In a decode engine:
 - ``no_coverage_check``: a transfer part reported finished is taken as having filled
   every block it was expected to (the check for holes switched off);
 - ``post_to_rank0``: every destination posted to a bootstrap endpoint names DP rank 0,
-  whichever rank the router named (D posting to the wrong rank).
+  whichever rank the router named (D posting to the wrong rank);
+- ``slow_begin``: the consumer answers each producer's ``begin`` 3 s late (a slow D:
+  its control thread stalls, so P's lane to it waits).
 
 ``vllm serve`` engines (torch_kvops.serving) load it as a vLLM general plugin in every
 process (API server, engine core, workers): :func:`serving_env` gives a server the
@@ -228,6 +232,14 @@ def install(process_name: str) -> None:
         self.settings.late_binding = self._configured_late_binding and "no_late_binding" not in modes()
         return matched(self, request, num_computed_tokens)
 
+    from torch_kvops.connector.sender import StepSender
+
+    join_lanes = StepSender._join_lanes
+
+    def sabotaged_join_lanes(self, lanes, detach_after_s):
+        return join_lanes(self, lanes, None if "no_detach" in modes() else detach_after_s)
+
+    StepSender._join_lanes = sabotaged_join_lanes
     MooncakeTransport.write = sabotaged_write
     PeerLink.write_layer = sabotaged_write_layer
     PeerLink.check_write_lease = sabotaged_check_write_lease
@@ -256,6 +268,16 @@ def install_decode() -> None:
             landed = [self._part_units[part]]
         return part_ended(self, part, ok, landed)
 
+    from torch_kvops.connector.consumer_admission import BeginAdmission
+
+    admit_begin = BeginAdmission._admit_begin
+
+    def sabotaged_admit_begin(self, message, session):
+        if "slow_begin" in modes():
+            time.sleep(3.0)
+        return admit_begin(self, message, session)
+
+    BeginAdmission._admit_begin = sabotaged_admit_begin
     ConsumerWorker._valid_blocks = sabotaged_valid_blocks
     ConsumerWorker._part_ended = sabotaged_part_ended
 

@@ -289,8 +289,9 @@ class ProducerWorker(KvopsWorker):
     def _abort_parts(self, req_id: str) -> None:
         """Producer: the scheduler finished the request before its last chunk (aborted,
         e.g. while preempted): its decode ranks learn now, not at lease expiry. No step
-        is sending (get_finished runs after wait_for_save), so an aborted part reads
-        none of the blocks the scheduler frees."""
+        is sending (get_finished runs after wait_for_save); a part that a slow decode
+        rank's lane still writes alone starts no write after the abort, and its failure
+        (so the blocks' release) comes once the write under way returned."""
         parts = self._parts.get(req_id)
         for tid in list(parts or ()):
             # an aborted part's failure comes back through get_finished once no transfer
