@@ -17,8 +17,8 @@ handed over is left to finish alone (the engine's next step goes on): the peer's
 of a later step starts after it ends (``after``), and an abort of one of its requests
 (:meth:`PeerStep.abort`) stops that request's writes before the lane's next write.
 
-A lane owns its :class:`~torch_kvops.connector.peer.PeerLink` for the step: nothing else
-reads its control channel until the sender thread has joined the lane.
+A lane owns its :class:`~torch_kvops.connector.peer.PeerLink` while it runs: nothing
+else reads its control channel until the lane ended.
 """
 from __future__ import annotations
 
@@ -57,6 +57,17 @@ def stop_revoked(peer: PeerLink, ledger: RequestLedger, stats: ConnectorStats) -
             stats.add(failed_revoked=1)
             ledger.report(req_id, ok=False, hold=peer.quarantine())
     return revoked
+
+
+def fail_aborted(peer: Optional[PeerLink], req_id: str, reason: str, ledger: RequestLedger,
+                 stats: ConnectorStats) -> None:
+    """A request the engine dropped, no write of which starts any more: its consumer is
+    told (best effort) and its failure reported, held while a failed write may still
+    read its source."""
+    if peer is not None and not peer.dead:
+        peer.notify_failed(req_id, reason)
+    stats.add(failed_aborted=1)
+    ledger.report(req_id, ok=False, hold=peer.quarantine() if peer is not None else None)
 
 
 class PeerStep:
@@ -276,6 +287,8 @@ class PeerStep:
     def _drop_aborted(self) -> None:
         """Requests the engine aborted (abort()): no write of theirs starts from now;
         their consumer is told and their failure reported."""
+        if not self._aborted:  # read without the lock: before each write, almost always empty
+            return
         with self._lock:
             carried = {req.req_id for req, _, _ in self._entries}
             # one revoked or rejected meanwhile is failed already
@@ -287,10 +300,7 @@ class PeerStep:
             return
         self.peer.drop_prefetch()  # gathered for the blocks of the old plan
         for req_id, reason in sorted(aborted.items()):
-            if not self.peer.dead:
-                self.peer.notify_failed(req_id, reason)
-            self._stats.add(failed_aborted=1)
-            self._ledger.report(req_id, ok=False, hold=self.peer.quarantine())
+            fail_aborted(self.peer, req_id, reason, self._ledger, self._stats)
 
     def _drop(self, req_ids: Set[str]) -> None:
         self._entries = [e for e in self._entries if e[0].req_id not in req_ids]

@@ -29,7 +29,7 @@ from .digest_pipeline import DigestPipeline
 from .integrity import make_digester, stronger_mode
 from .ledger import ConnectorStats, RequestLedger
 from .peer import PeerLink
-from .peer_step import PeerStep
+from .peer_step import PeerStep, fail_aborted
 from .sender import StepSender, _Step
 
 log = logging.getLogger(__name__)
@@ -270,10 +270,7 @@ class ProducerSide(StepSender):
             peer = self._peers.get(peer_id) if peer_id is not None else None
         if peer_id is None:
             return False
-        if peer is not None and not peer.dead:
-            peer.notify_failed(req_id, reason)
-        self._stats.add(failed_aborted=1)
-        self._ledger.report(req_id, ok=False, hold=peer.quarantine() if peer is not None else None)
+        fail_aborted(peer, req_id, reason, self._ledger, self._stats)
         return True
 
     def _fail_all_in_flight(self, reason: str) -> None:
