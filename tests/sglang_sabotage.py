@@ -18,6 +18,10 @@ test's ``vllm_sabotage.Switch`` writes it), in the prefill server:
 - ``slow_prefill``: each prefill forward starts ``SLOW_PREFILL_S`` late (before its push
   begins), so rooms wait in the prefill queue longer than a lease, whatever the
   machine's speed.
+- ``unverified`` (in the decode server): the integrity check finds every layer's pages
+  as the prefill server digested them, whatever they hold (the check switched off).
+- ``unchecked`` (in the decode server): a room is expected without its pages, so a
+  begin naming other pages is not refused (the check of the destination switched off).
 """
 import os
 import time
@@ -40,6 +44,7 @@ def serving_env(directory: str) -> dict:
 def install() -> None:
     from torch_kvops.connector import LayerwiseConnector
     from torch_kvops.connector.peer import PeerLink
+    from torch_kvops.connector.verifier import Verifier
     from torch_kvops.integrations.sglang.layerwise import LayerwisePrefill
     from torch_kvops.integrations.sglang.manager import STILL_OWED, KvopsKVManager
     from torch_kvops.integrations.sglang.push_queue import PushQueue
@@ -106,7 +111,15 @@ def install() -> None:
     LayerwisePrefill.forward = sabotaged_forward
     expect = LayerwiseConnector.expect
 
-    def sabotaged_expect(self, req_id, lease_s=None):
-        return expect(self, req_id, SHORT_LEASE_S if "short_lease" in modes() else lease_s)
+    def sabotaged_expect(self, req_id, lease_s=None, blocks=None):
+        how = modes()
+        return expect(self, req_id, SHORT_LEASE_S if "short_lease" in how else lease_s,
+                      None if "unchecked" in how else blocks)
 
     LayerwiseConnector.expect = sabotaged_expect
+    verify = Verifier._verify
+
+    def sabotaged_verify(self, *args, **kwargs):
+        return None if "unverified" in modes() else verify(self, *args, **kwargs)
+
+    Verifier._verify = sabotaged_verify

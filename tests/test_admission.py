@@ -7,7 +7,13 @@ the consumer's engine) waits for it and lands, even when the engine is later tha
 producer's transfer timeout and the consumer's lease (the hold counts toward neither).
 The control: without the setting the
 unexpected request's bytes land in the named blocks, which the engine may have given
-to any other request."""
+to any other request.
+
+A begin that names destination blocks the engine did not give the request (``expect``
+with ``blocks``: a wrong plan, a stale or misrouted destination) is rejected before a
+byte is written, and the request fails on both sides; named in a later chunk, after
+earlier chunks landed, it fails once the fence ends. The control: expected without
+its blocks, the misaddressed bytes land."""
 import time
 
 import numpy as np
@@ -62,6 +68,51 @@ def test_a_begin_for_a_request_nobody_expected_writes_nothing(producer, wait_s):
         assert not ok and not any(landed), "bytes of a request the consumer never expected landed"
         assert time.monotonic() - started >= wait_s  # held that long first
         assert consumer.call("stats")["failed_begin_unexpected"] == 1
+    finally:
+        consumer.stop()
+
+
+def _outcomes(conn, req_ids, timeout=10.0):
+    """Request -> True (finished) or False (failed), as the producer reports them."""
+    got, deadline = {}, time.monotonic() + timeout
+    while set(req_ids) - set(got) and time.monotonic() < deadline:
+        done, failed = conn.get_finished()
+        got.update({r: True for r in done})
+        got.update({r: False for r in failed})
+        time.sleep(0.01)
+    assert set(req_ids) <= set(got), f"not reported by the producer within {timeout} s: {got}"
+    return got
+
+
+@pytest.mark.parametrize("case", ["first_chunk", "later_chunk", "control_unchecked"])
+def test_a_begin_naming_blocks_the_engine_did_not_give_writes_none_of_them(producer, case):
+    conn, caches = producer
+    consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, begin_waits_for_expect_s=2.0,
+                               fence_drain_s=0.5, **FAST)
+    try:
+        peer = conn.add_peer(consumer.info)
+        given = {"misrouted": [5, 6], "right": [9, 10]}
+        assert consumer.call("expect", list(given), None if case == "control_unchecked" else given) \
+            == [True, True]
+        if case == "later_chunk":  # its first chunk lands where the engine said
+            push_step(conn, caches, [TransferRequest("misrouted", peer, [1], [5], last_chunk=False)])
+        # block 7 belongs to no request here: the engine may give it to any other
+        push_step(conn, caches, [TransferRequest("misrouted", peer, [2], [7]),
+                                 TransferRequest("right", peer, [3, 4], [9, 10])])
+        ok = _outcomes(conn, ["misrouted", "right"])
+        finished, failed, _ = consumer.call("wait", ["misrouted", "right"], 10.0)
+        received = consumer.call("caches")
+        written = {b: bool(any((received[layer][b] != UNTOUCHED).any() for layer in range(LAYERS)))
+                   for b in (5, 6, 7)}
+        assert ok["right"] and "right" in finished
+        assert all(np.all(received[layer][[9, 10]] == layer + 1) for layer in range(LAYERS))
+        if case == "control_unchecked":
+            assert ok["misrouted"] and written[7], "the control: misaddressed bytes land"
+            return
+        assert not ok["misrouted"] and failed == {"misrouted"}, (ok, finished, failed)
+        assert not written[7] and not written[6], "a byte landed in a block the engine did not give"
+        assert written[5] == (case == "later_chunk")
+        assert consumer.call("stats")["begin_blocks_refused"] == 1
     finally:
         consumer.stop()
 

@@ -11,6 +11,14 @@ and in place, and the negative controls (P pushes to pages past the room's; P's
 transport moves no byte; it moves every layer but one) show that the answers depend on
 those bytes. The only stand-in is tests/sglang_standin
 (two CPU kernels of sgl_kernel that have no wheel on PyPI), labelled there.
+
+The fleet runs as a fleet beyond one host would: every server holds the fleet key
+(control-channel secrets derived from it, the backend's ZMQ messages signed with it)
+and D checks every layer with the integrity check's ``mac`` mode. A third prefill
+server with another key (P3, behind a router of its own with the same D) moves
+nothing. D also refuses a begin that names pages it did not give the room. The
+negative controls switch D's checks off (sabotage modes ``unverified`` and
+``unchecked``); with them on, the same faults fail their rooms and no answer is wrong.
 """
 from __future__ import annotations
 
@@ -104,6 +112,13 @@ def test_what_the_backend_does_not_move_yet_is_refused_at_start_up():
         "the kvops SGLang backend does not support tensor parallelism yet"], done.stdout
 
 
+def _key_file(tmp: str, name: str) -> str:
+    path = os.path.join(tmp, name)
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write(os.urandom(32).hex())
+    return path
+
+
 @pytest.fixture(scope="module")
 def fleet():
     with workspace("kvops-sglang") as (tmp, model, log_dir, sabotage):
@@ -112,21 +127,30 @@ def fleet():
         env = dict(serving_env(os.path.join(tmp, "plugin")),
                    SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="60",
                    SGLANG_DISAGGREGATION_WAITING_TIMEOUT="120",
-                   KVOPS_SGLANG_CONFIG=json.dumps({"owed_notice_s": OWED_NOTICE_S,
-                                                   "connector": {"lease_s": LEASE_S}}))
+                   KVOPS_FLEET_KEY_FILE=_key_file(tmp, "fleet.key"),
+                   KVOPS_SGLANG_CONFIG=json.dumps({"owed_notice_s": OWED_NOTICE_S, "connector": {
+                       "lease_s": LEASE_S, "integrity_check": "mac"}}))
         same = dict(env=env, page_size=PAGE_SIZE)
+        # health checks every 5 s, an open circuit retried after 10 s (60 s each by
+        # default): a restarted server is back in the rotation within seconds (each
+        # check may take SglangRouterSpec's health_check_timeout_s)
+        checks = ["--health-check-interval-secs", "5", "--cb-timeout-duration-secs", "10"]
         with Servers(log_dir) as servers:
             p1 = servers.add(SglangServerSpec("P1", model, role="prefill",
                                               extra_args=["--chunked-prefill-size", str(CHUNK)], **same))
             p2 = servers.add(SglangServerSpec("P2", model, role="prefill", **same))
             d = servers.add(SglangServerSpec("D", model, role="decode", **same))
             servers.add(SglangServerSpec("ref", model, role="monolithic", **same))
-            # health checks every 5 s, an open circuit retried after 10 s (60 s each by
-            # default): a restarted server is back in the rotation within seconds (each
-            # check may take SglangRouterSpec's health_check_timeout_s)
-            servers.add(SglangRouterSpec("router", [p1, p2], [d], extra_args=[
-                "--health-check-interval-secs", "5", "--cb-timeout-duration-secs", "10"]))
-            servers.start_all(600)
+            servers.add(SglangRouterSpec("router", [p1, p2], [d], extra_args=checks))
+            # started by its test only: P3, a prefill server with another key (it waits
+            # 20 s for a destination that never comes), behind a router of its own that
+            # tries each request once (its rooms fail at D's lease; a retry waits again)
+            p3 = servers.add(SglangServerSpec("P3", model, role="prefill", page_size=PAGE_SIZE, env=dict(
+                env, KVOPS_FLEET_KEY_FILE=_key_file(tmp, "another.key"),
+                SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="20")))
+            servers.add(SglangRouterSpec("foreign", [p3], [d], extra_args=checks + ["--disable-retries"]))
+            servers.start(["P1", "P2", "D", "ref"], 600)
+            servers.start(["router"], 600)  # it needs the servers' ports
             yield servers, model, sabotage
             problems = servers.stop_all()
             assert not problems, problems
@@ -221,8 +245,10 @@ def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_layer_by_
 
 @pytest.mark.parametrize("mode", ["misplace", "drop", "drop_layer"])
 def test_negative_control_misplaced_or_dropped_kv_changes_the_answers(fleet, mode):
+    """With D's checks switched off (``unverified``: the integrity check; ``unchecked``:
+    the check of the pages a begin names)."""
     _, _, sabotage = fleet
-    sabotage.set(mode)
+    sabotage.set(mode, "unverified", "unchecked")
     try:
         # prompts of their own: pages left by an earlier run of the same prompts would
         # hold the right KV
@@ -235,6 +261,62 @@ def test_negative_control_misplaced_or_dropped_kv_changes_the_answers(fleet, mod
     wrong = [i for i in differ if not got[i].startswith("<")]
     assert len(wrong) >= 3, f"{mode}: only {len(wrong)} wrong answers: {[got[i][:200] for i in differ]}"
     assert _compare(fleet, seed=4, n=4) == []  # and the fleet is whole again
+
+
+# the fault -> D's check that catches it (its counter)
+CAUGHT_BY = {"misplace": "misaddressed_rooms", "drop": "integrity_failures",
+             "drop_layer": "integrity_failures"}
+
+
+@pytest.mark.parametrize("mode", list(CAUGHT_BY))
+def test_d_fails_every_room_whose_kv_is_misplaced_or_did_not_arrive(fleet, mode):
+    """The faults of the negative controls above with D's checks on: D refuses the
+    begins that name pages past the room's own (nothing is written there), and fails
+    the rooms whose pages differ from what P digested (every layer, or one). No answer
+    is wrong, every page comes back, and the fleet answers right again."""
+    servers, model, sabotage = fleet
+    prompts = _prompts(seed={"misplace": 16, "drop": 13, "drop_layer": 14}[mode], n=8)
+    _reference.update(zip(prompts, _answers(servers["ref"].url, model, prompts)))
+    before = _count(servers["D"].metrics(), CAUGHT_BY[mode])
+    sabotage.set(mode)
+    try:
+        got = _answers(servers["router"].url, model, prompts)
+    finally:
+        sabotage.set()
+    caught = _count(servers["D"].metrics(), CAUGHT_BY[mode]) - before
+    wrong = [a for p, a in zip(prompts, got) if not a.startswith("<") and a != _reference[p]]
+    print(f"\n[sglang] checked, {mode}: {caught:.0f} rooms failed D's check (the router retries "
+          f"a failed room as a new one); {len([a for a in got if a.startswith('<')])} of 8 "
+          f"requests failed, {len(wrong)} wrong")
+    assert not wrong, wrong
+    assert caught >= 8, f"{mode}: D's check failed only {caught:.0f} rooms"
+    _pages_come_back(servers, ["P1", "P2", "D"])
+    _router_serves_again(servers, model)  # D's failures opened the router's circuit for it
+    assert _compare(fleet, seed=4, n=4) == []
+
+
+def test_a_prefill_server_with_another_fleet_key_moves_nothing(fleet):
+    """P3 holds another key than D: each refuses the other's messages (D's registration
+    and destinations at P3; nothing of P3's reaches D's rooms), so every request
+    through P3's router fails (none is answered wrong, D decodes from no KV of P3's),
+    D's pages come back, and the fleet answers right."""
+    servers, model, _ = fleet
+    servers.start(["P3"])
+    servers.start(["foreign"])
+    try:
+        prompts = _prompts(seed=15, n=2)
+        got = _answers(servers["foreign"].url, model, prompts)
+        refused = _count(servers["P3"].metrics(), "refused_messages")
+        print(f"\n[sglang] another key: {refused:.0f} messages of D refused at P3; answers "
+              f"{[a[:160] for a in got]}")
+        assert all(a.startswith("<") for a in got), got
+        assert refused >= 2, "P3 took D's messages"  # a registration and a room's destination
+        assert _count(servers["P3"].metrics(), "rooms", label="success") == 0
+        _pages_come_back(servers, ["P3", "D"])
+    finally:  # its health checks would load the machine for the rest of the module
+        servers["foreign"].stop()
+        servers["P3"].stop()
+    assert _compare(fleet, seed=4, n=4) == []
 
 
 @pytest.mark.parametrize("renewals", ["owed_notices", "no_renewal"])
@@ -268,6 +350,7 @@ def test_owed_notices_keep_rooms_of_a_long_prefill_queue_alive(fleet, renewals):
         assert renewed == 0
         assert failed >= 1, "every room reached D within its lease: the control shows nothing"
     _pages_come_back(servers, ["P1", "P2", "D"])
+    _router_serves_again(servers, model)  # failed rooms may have opened the router's circuit for D
     assert _compare(fleet, seed=4, n=4) == []  # and the fleet is whole again
 
 

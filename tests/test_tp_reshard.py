@@ -45,7 +45,9 @@ def test_every_decode_rank_gets_its_heads_from_the_prefill_ranks_that_hold_them(
         engines = [c.info["engine_id"] for c in consumers]
         for d in range(d_tp):
             parts = expected_parts("T", engines[d], DST, KV_HEADS, p_tp, d_tp, d)
-            consumers[d].call("expect", sorted(parts))
+            # each part's units, as the vLLM adapter's decode side expects them: a begin
+            # naming any other unit would be refused
+            assert consumers[d].call("expect", sorted(parts), parts) == [True] * len(parts)
         for r in range(p_tp):
             transport = MooncakeTransport(host="127.0.0.1")
             conn = LayerwiseConnector("producer", transport, ConnectorConfig(**CONFIG))

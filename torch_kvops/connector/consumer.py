@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -48,6 +48,8 @@ class _Incoming:
     since: float = field(default_factory=time.monotonic)  # renewals end max_wait_s after
     owner: Optional[Session] = None  # the session whose begin claimed it
     blocks: Set[int] = field(default_factory=set)  # destination blocks named by its begins
+    # the blocks the engine gave it (expect(blocks=...)): a begin naming any other fails it
+    allowed: Optional[FrozenSet[int]] = None
     chunks: int = 0
     bytes: int = 0
     step_dst: List[int] = field(default_factory=list)  # destination blocks of its latest begin
@@ -116,14 +118,20 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity, BeginAdmission):
     def in_flight(self) -> int:
         return len(self._incoming)
 
-    def expect(self, req_id: str, lease_s: Optional[float]) -> bool:
+    def expect(self, req_id: str, lease_s: Optional[float], blocks: Optional[Iterable[int]] = None) -> bool:
+        allowed = None if blocks is None else frozenset(int(b) for b in blocks)
         with self._ledger.lock:
             if self._ledger.was_reported_locked(req_id):
                 # ended before the engine asked (a fast producer): the next
                 # get_finished reports it; reported and handed out before: a reused id
                 return self._ledger.undrained_locked(req_id)
-            if req_id not in self._incoming:
-                self._incoming[req_id] = _Incoming(time.monotonic() + (lease_s or self._config.lease_s))
+            entry = self._incoming.get(req_id)
+            if entry is None:
+                entry = self._incoming[req_id] = _Incoming(time.monotonic() + (lease_s or self._config.lease_s))
+            if allowed is not None:
+                entry.allowed = allowed
+                if entry.live and not entry.blocks <= allowed:  # begun before the engine asked
+                    self._refuse_blocks_locked(req_id, entry, entry.blocks)
             return True
 
     def renew(self, req_id: str) -> bool:
@@ -217,12 +225,27 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity, BeginAdmission):
                                 session.producer, req_id, entry.owner.producer)
                     rejected.append(req_id)
                     continue
+                if entry.allowed is not None and not entry.allowed.issuperset(dst.get(req_id, ())):
+                    self._refuse_blocks_locked(req_id, entry, dst[req_id])
+                    rejected.append(req_id)
+                    continue
                 entry.deadline = entry.granted_until = deadline
                 entry.step_dst = dst.get(req_id, [])
                 for block in dst.get(req_id, ()):
                     entry.blocks.add(block)
                     owned[block] = req_id
         return rejected
+
+    def _refuse_blocks_locked(self, req_id: str, entry: _Incoming, named: Iterable[int]) -> None:
+        """Under the ledger lock: its producer named destination blocks the engine did
+        not give the request (a wrong plan, a stale or misrouted destination). None of
+        them is written (the begin that names them is rejected) and the request fails:
+        at once if nothing of it was begun before, else once the fence ends."""
+        outside = sorted(set(named) - entry.allowed)
+        self._stats.add(begin_blocks_refused=1)
+        log.error("request %s: its producer named %d destination blocks the engine did not give it "
+                  "(first: %d): refused, the request fails", req_id, len(outside), outside[0])
+        self._give_up_locked(req_id, writes_may_land=bool(entry.blocks))  # an earlier begin's
 
     def _owns_blocks(self, session: Session, blocks: List[int]) -> bool:
         """True if every block belongs to a live (not revoked) request of the session."""

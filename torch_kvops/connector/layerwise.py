@@ -208,15 +208,20 @@ class LayerwiseConnector:
 
     # ------------------------------------------------------------------ consumer
 
-    def expect(self, req_id: str, lease_s: Optional[float] = None) -> bool:
+    def expect(self, req_id: str, lease_s: Optional[float] = None,
+               blocks: Optional[Iterable[int]] = None) -> bool:
         """Consumer: start the lease of a request the engine waits for, so it is
         reported failed if its producer never delivers (even if it never started).
+        ``blocks``: the destination blocks the engine gave it. A ``begin`` that names
+        any other block for it is rejected before a byte is written and the request
+        fails (counted as ``begin_blocks_refused``): a producer with a wrong plan, or a
+        stale or misrouted destination, writes into no block of another request.
         True also when the request ended before this call (its producer was faster):
         the next :meth:`get_finished` reports it. False, and nothing started, if the id
         was refused, or reported by an earlier :meth:`get_finished` (an id used twice):
         nothing will be reported for it again, so do not wait for it."""
         self._require("consumer", registered=True)
-        return self._side.expect(req_id, lease_s)
+        return self._side.expect(req_id, lease_s, blocks)
 
     def refuse(self, req_ids: Iterable[str]) -> None:
         """Consumer: the engine gave these up before they began: a ``begin`` for one is

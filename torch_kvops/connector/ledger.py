@@ -40,7 +40,7 @@ class ConnectorStats:
         self.counters = dict(bytes_sent=0, layers_sent=0, steps=0, requests_finished=0,
                              requests_failed=0, retries=0, transport_errors=0, orphan_pushes=0,
                              staged_writes=0, chunks_after_failure=0, control_not_owner=0,
-                             scatter_refused=0, integrity_failures=0, integrity_us=0,
+                             scatter_refused=0, begin_blocks_refused=0, integrity_failures=0, integrity_us=0,
                              fenced=0, write_lease_ended=0, write_lease_renewals=0, revoked_notices=0,
                              revokes_acknowledged=0, failed_revoked=0, lanes_detached=0)
         self.wait_s = np.zeros(num_layers)

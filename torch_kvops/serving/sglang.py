@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 from .fronts import _Launched, with_python_path
+from .ports import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PYTHON_ENV = "KVOPS_SGLANG_PYTHON"
@@ -93,7 +94,9 @@ class SglangRouterSpec(_Launched):
     def command(self) -> List[str]:
         cmd = [sglang_python(), "-m", "sglang_router.launch_router", "--pd-disaggregation",
                "--host", self.host, "--port", str(self.port), "--policy", self.policy,
-               "--health-check-timeout-secs", str(self.health_check_timeout_s)]
+               "--health-check-timeout-secs", str(self.health_check_timeout_s),
+               # a port of its own: two routers on one host clash on the default 29000
+               "--prometheus-host", self.host, "--prometheus-port", str(free_port(self.host))]
         for p in self.prefill:
             cmd += ["--prefill", p.url, str(p.spec.bootstrap_port)]
         for d in self.decode:

@@ -90,8 +90,8 @@ def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, tran
         raise
     pipe.send(("ok", connector.peer_info()))
 
-    def expect(req_ids):
-        return [connector.expect(req_id) for req_id in req_ids]
+    def expect(req_ids, blocks=None):  # blocks: request -> the blocks the engine gave it
+        return [connector.expect(req_id, blocks=(blocks or {}).get(req_id)) for req_id in req_ids]
 
     landed = {}  # failed request -> its landed chunks (connector.landed_chunks)
 

@@ -31,7 +31,7 @@ class KvopsKVReceiver(sgl.CommonKVReceiver):
 
     def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None,
                       *args, **kwargs) -> None:
-        self.kv_mgr.expect(self.bootstrap_room, aux_index)
+        self.kv_mgr.expect(self.bootstrap_room, [] if kv_indices is None else kv_indices, aux_index)
         self._kvops_expected = True
         super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, *args, **kwargs)
 

@@ -48,11 +48,15 @@ from .metrics import Counts
 from .pages import page_views
 from .push_queue import METADATA_ROW, PushQueue
 from .settings import KvopsSglangSettings
+from .signing import MessageSigner
 
 log = logging.getLogger(__name__)
 
 REGISTRATION = b"None"  # first frame of a decode rank's registration (SGLang's convention)
 STILL_OWED = b"KVOPS_OWED"  # prefill -> decode: the rooms it still owes that decode rank
+# decode: the connector's counters of failed rooms -> SGLang's counters (metrics.py)
+MIRRORED = {"integrity_failures": "kvops_sglang_integrity_failures",
+            "begin_blocks_refused": "kvops_sglang_misaddressed_rooms"}
 
 
 @dataclass(frozen=True)
@@ -72,13 +76,17 @@ class KvopsKVManager(sgl.CommonKVManager):
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self._check_supported(args, server_args, is_mla_backend)
         self.settings = KvopsSglangSettings.from_env()
+        self.settings.check_exposure(self.local_ip)
+        fleet_key = self.settings.fleet_key()
+        self.signer = MessageSigner(fleet_key)
         self.prefill = disaggregation_mode == sgl.DisaggregationMode.PREFILL
         self.caches = page_views(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
         self.transport = MooncakeTransport(host=self.local_ip, protocol=self.settings.protocol,
                                            device_name=self.settings.device_name)
         try:
             self.conn = LayerwiseConnector("producer" if self.prefill else "consumer",
-                                           self.transport, self.settings.connector_config())
+                                           self.transport, self.settings.connector_config(),
+                                           fleet_key=fleet_key)
             self.conn.register_kv_caches(self.caches)
         except BaseException:
             self.transport.close()
@@ -132,25 +140,38 @@ class KvopsKVManager(sgl.CommonKVManager):
 
     def build_receiver_registration_message(self) -> List[bytes]:
         info = self.conn.peer_info()
-        return [REGISTRATION, self.local_ip.encode(), str(self.rank_port).encode(),
-                info["engine_id"].encode(), json.dumps(info).encode()]
+        return self.signer.sign([REGISTRATION, self.local_ip.encode(), str(self.rank_port).encode(),
+                                 info["engine_id"].encode(), json.dumps(info).encode()])
 
     def build_receiver_metadata_message(self, *, bootstrap_room, required_dst_info_num, kv_indices,
                                         aux_index, state_indices, decode_prefix_len, is_dummy,
                                         device_kv_indices=None) -> List[bytes]:
         pages = b"" if is_dummy else np.asarray(kv_indices, dtype=np.int32).tobytes()
-        return [str(bootstrap_room).encode(), self.local_ip.encode(), str(self.rank_port).encode(),
-                self.conn.engine_id.encode(), pages,
-                str(-1 if is_dummy or aux_index is None else aux_index).encode(),
-                str(required_dst_info_num).encode(), str(decode_prefix_len or 0).encode()]
+        return self.signer.sign([
+            str(bootstrap_room).encode(), self.local_ip.encode(), str(self.rank_port).encode(),
+            self.conn.engine_id.encode(), pages,
+            str(-1 if is_dummy or aux_index is None else aux_index).encode(),
+            str(required_dst_info_num).encode(), str(decode_prefix_len or 0).encode()])
+
+    def send_to_decode(self, endpoint: str, frames: List[bytes]) -> None:
+        """Prefill: one of the backend's messages to a decode rank, signed."""
+        self._send_multipart_locked(endpoint, self.signer.sign(frames))
 
     def _recv_loop(self) -> None:
         recv = self._make_worker_recv(self.server_socket)
         while True:
             msg = recv()
-            if msg is not None:
-                with self._handle_lock:
-                    self._handle(msg)
+            if msg is None:
+                continue
+            if msg[0] != sgl.ABORT_TAG:  # SGLang's own notice (signing.py)
+                try:
+                    msg = self.signer.open(msg)
+                except ValueError as exc:
+                    self.counts.add("kvops_sglang_refused_messages")
+                    log.warning("kvops: a message of %d frames was refused: %s", len(msg), exc)
+                    continue
+            with self._handle_lock:
+                self._handle(msg)
 
     def _handle(self, msg: List[bytes]) -> None:
         """One message, under ``_handle_lock``: on the receive thread, or on a connect
@@ -252,11 +273,11 @@ class KvopsKVManager(sgl.CommonKVManager):
 
     # ------------------------------------------------------------- decode side
 
-    def expect(self, room: int, aux_index: int) -> None:
-        """Decode: the engine gave the room its pages and metadata row (before the
-        destination message goes out)."""
+    def expect(self, room: int, pages, aux_index: int) -> None:
+        """Decode: the engine gave the room ``pages`` and a metadata row (before the
+        destination message goes out). The prefill may write those pages only."""
         self.rooms.expect(room, aux_index)
-        if not self.conn.expect(str(room)):
+        if not self.conn.expect(str(room), blocks=np.asarray(pages, dtype=np.int64).tolist()):
             self.fail(room, f"room {room} was already transferred here once (a room id is "
                              "used once)")
 
@@ -312,16 +333,22 @@ class KvopsKVManager(sgl.CommonKVManager):
                         owed.setdefault(dest.endpoint, []).append(room)
             for endpoint, rooms in owed.items():
                 try:
-                    self._send_multipart_locked(endpoint, [STILL_OWED, json.dumps(rooms).encode()])
+                    self.send_to_decode(endpoint, [STILL_OWED, json.dumps(rooms).encode()])
                 except zmq.ZMQError as exc:
                     log.warning("kvops: the rooms owed to %s were not told: %s", endpoint, exc)
 
     # ------------------------------------------------------------- outcomes
 
     def _outcome_loop(self) -> None:
+        counted = dict.fromkeys(MIRRORED, 0)  # the connector's counts, mirrored into SGLang's metrics
         while True:
             self.conn.wait_for_finished(0.5)
             finished, failed = self.conn.get_finished()
+            if failed and not self.prefill:
+                stats = self.conn.stats()
+                for key, name in MIRRORED.items():
+                    self.counts.add(name, stats[key] - counted[key])
+                    counted[key] = stats[key]
             for req_id in finished:
                 room = int(req_id)
                 if self.prefill:

@@ -17,6 +17,12 @@ HELP = {
     "kvops_sglang_rooms": "Rooms ended, by role and outcome",
     "kvops_sglang_lease_renewals": "Decode: leases renewed because the prefill server said "
                                    "it still owes the room",
+    "kvops_sglang_refused_messages": "The backend's ZMQ messages refused: not signed with the "
+                                     "fleet key",
+    "kvops_sglang_integrity_failures": "Decode: rooms failed by the integrity check (their pages "
+                                       "differ from what the prefill server pushed)",
+    "kvops_sglang_misaddressed_rooms": "Decode: rooms failed because the prefill server named "
+                                       "pages this server did not give them (nothing written)",
 }
 
 

@@ -67,7 +67,7 @@ class PushQueue:
                 if last and aux_index is not None:
                     rows = read_rows(m.kv_args.aux_data_ptrs, m.kv_args.aux_item_lens, aux_index)
                     for dest in destinations:
-                        m._send_multipart_locked(dest.endpoint, [METADATA_ROW, str(room).encode(), *rows])
+                        m.send_to_decode(dest.endpoint, [METADATA_ROW, str(room).encode(), *rows])
             except zmq.ZMQError as exc:
                 m.fail(room, f"the metadata row did not reach the decode side: {exc}")
                 continue

@@ -3,12 +3,17 @@ SGLang's command line has no place for a backend's own settings."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
+from ...addresses import is_loopback
 from ...connector import ConnectorConfig
 from ...connector.config import ENGINE_DETACH_SLOW_LANES_AFTER_S
+from ...control.fleet_key import FLEET_KEY_ENV, load_fleet_key
+
+log = logging.getLogger(__name__)
 
 CONFIG_ENV = "KVOPS_SGLANG_CONFIG"
 
@@ -17,7 +22,10 @@ CONFIG_ENV = "KVOPS_SGLANG_CONFIG"
 class KvopsSglangSettings:
     """``protocol``/``device_name``: the Mooncake transport's (``tcp``, or ``rdma`` with
     its device); ``connector``: :class:`~torch_kvops.ConnectorConfig` fields (lease,
-    integrity check, timeouts)."""
+    integrity check, timeouts); ``fleet_key_file`` (else ``$KVOPS_FLEET_KEY_FILE``):
+    the key every server of the fleet shares (control-channel secrets derived from
+    it, the backend's ZMQ messages signed with it: signing.py); ``allow_insecure``:
+    start a server reachable beyond its host without one (a warning)."""
 
     protocol: str = "tcp"
     device_name: str = ""
@@ -26,6 +34,8 @@ class KvopsSglangSettings:
     # the connector's max_wait_s), so a long prefill queue fails no room
     owed_notice_s: float = 5.0
     connector: Dict[str, Any] = field(default_factory=dict)
+    fleet_key_file: str = ""
+    allow_insecure: bool = False
 
     @staticmethod
     def from_env() -> "KvopsSglangSettings":
@@ -41,13 +51,37 @@ class KvopsSglangSettings:
         if unknown:
             raise ValueError(f"${CONFIG_ENV} has unknown settings {unknown}; known: {sorted(known)}")
         settings = KvopsSglangSettings(**raw)
+        if not isinstance(settings.allow_insecure, bool) or not isinstance(settings.fleet_key_file, str):
+            raise ValueError(f"${CONFIG_ENV} allow_insecure must be true or false and fleet_key_file "
+                             "a path")
         if settings.protocol not in ("tcp", "rdma"):
             raise ValueError(f"${CONFIG_ENV} protocol {settings.protocol!r} is not 'tcp' or 'rdma'")
         config = settings.connector_config()  # unknown or bad connector fields fail at start-up
         if not 0 < settings.owed_notice_s < config.lease_s:
             raise ValueError(f"${CONFIG_ENV} owed_notice_s must be in (0, lease_s="
                              f"{config.lease_s}): a lease renewed less often than it lasts expires")
+        settings.fleet_key()  # a short or readable key file fails at start-up
         return settings
+
+    def fleet_key(self) -> Optional[bytes]:
+        """The fleet key (None without one)."""
+        return load_fleet_key(self.fleet_key_file)
+
+    def check_exposure(self, host: str) -> None:
+        """Refuse a server reachable beyond its host (``host``: where its Mooncake
+        transport, control channel and ZMQ socket listen) without a fleet key, unless
+        ``allow_insecure`` (then warn): unsigned, anyone who reaches it names the pages
+        P pushes a room's KV into, or the first token D decodes from."""
+        if is_loopback(host) or self.fleet_key() is not None:
+            return
+        what = (f"kvops: this SGLang server listens on {host}, beyond this host, without a fleet "
+                "key: anyone who reaches it can name the pages P pushes a room's KV into, and "
+                "the first token D decodes from")
+        if not self.allow_insecure:
+            raise ValueError(f"{what}. Give every server of the fleet the same key (fleet_key_file "
+                             f"in ${CONFIG_ENV}, or ${FLEET_KEY_ENV}), bind to loopback "
+                             "(SGLANG_HOST_IP=127.0.0.1), or set allow_insecure: true")
+        log.warning("%s (allow_insecure: true)", what)
 
     def connector_config(self) -> ConnectorConfig:
         fields_ = dict(self.connector)

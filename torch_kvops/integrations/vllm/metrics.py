@@ -44,7 +44,8 @@ _COUNTERS = {
                  "staging_wait_s": "staging_wait_s", "write_lease_ended": "write_lease_ended",
                  "write_lease_renewals": "write_lease_renewals"},
     "consumer": {"bytes_sent": "received_bytes", "fenced": "fenced",
-                 "revokes_acknowledged": "revokes_acknowledged"},
+                 "revokes_acknowledged": "revokes_acknowledged",
+                 "begin_blocks_refused": "misaddressed_begins"},
 }
 _BOTH = {"requests_finished": "requests_finished", "requests_failed": "requests_failed",
          "integrity_failures": "integrity_failures"}
@@ -221,6 +222,9 @@ class KvopsPromMetrics(KVConnectorPromMetrics):
                   "arrived, whose blocks it held (late binding)."),
         "holds_pushed": ("vllm:kvops_holds_pushed",
                          "Held requests pushed when their destination arrived (prefill)."),
+        "misaddressed_begins": ("vllm:kvops_misaddressed_begins",
+                                "Transfers whose prefill side named blocks this engine did not "
+                                "give them: refused before a byte was written, recomputed (decode)."),
         "fenced": ("vllm:kvops_fenced",
                    "Transfers given up on while the prefill side might still write, whose blocks "
                    "were kept until no write could land (decode; docs/connector.md, the fence)."),

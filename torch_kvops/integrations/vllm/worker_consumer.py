@@ -78,7 +78,8 @@ class ConsumerWorker(KvopsWorker):
         ended_early = []
         for part, units in parts.items():
             early = self._early.pop(part, None)
-            if early is None and not self.conn.expect(part):
+            # its units (blocks, or heads of blocks) are the only ones its begins may name
+            if early is None and not self.conn.expect(part, blocks=units):
                 # an id this rank already reported or refused (a transfer id used again):
                 # nothing will come for it, so the request recomputes instead of waiting
                 log.error("request %s: transfer part %s was already used here: recomputing", req_id, part)

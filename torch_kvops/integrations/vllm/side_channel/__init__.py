@@ -14,8 +14,8 @@ lines are signed envelopes; with TLS files, the connection is mutual TLS.
 - bootstrap.py: P's ``GET /query`` endpoint (vLLM's MooncakeConnector format);
 - auth.py: fleet key, signed envelopes, derived control-channel secrets, TLS files.
 """
-from .auth import (FLEET_KEY_ENV, AuthError, FleetAuth, TlsFiles, control_secret, load_fleet_key,
-                   tls_files, warn_unauthenticated)
+from ....control.fleet_key import FLEET_KEY_ENV, load_fleet_key
+from .auth import AuthError, FleetAuth, TlsFiles, control_secret, tls_files, warn_unauthenticated
 from .bootstrap import BOOTSTRAP_PORT_ENV, DEFAULT_BOOTSTRAP_PORT, BootstrapServer, bootstrap_address
 from .poster import DestinationPoster, parse_address
 from .server import MAX_MESSAGE_BYTES, REFUSALS, DestinationServer, parse_destination

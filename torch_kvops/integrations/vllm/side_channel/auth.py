@@ -20,20 +20,18 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
 import threading
 import time
 from collections import OrderedDict
-from typing import Optional, Tuple
+from typing import Tuple
 
 from ....control import derived_secret
+from ....control.fleet_key import FLEET_KEY_ENV, MIN_KEY_BYTES
 from ....tls import TlsFiles, tls_files  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
-FLEET_KEY_ENV = "KVOPS_FLEET_KEY_FILE"
-MIN_KEY_BYTES = 32
 _NONCE_BYTES = 16
 _DOMAIN = b"kvops-side-channel-v1"
 
@@ -44,25 +42,6 @@ class AuthError(ValueError):
     def __init__(self, cause: str, detail: str) -> None:
         super().__init__(f"{cause}: {detail}")
         self.cause = cause
-
-
-def load_fleet_key(path: Optional[str]) -> Optional[bytes]:
-    """The fleet key from ``path``, else from the file ``$KVOPS_FLEET_KEY_FILE`` names,
-    else None. A key shorter than 32 bytes, or a file others can read, is refused."""
-    path = path or os.environ.get(FLEET_KEY_ENV) or None
-    if path is None:
-        return None
-    with open(path, "rb") as f:
-        key = f.read().strip()
-    if len(key) < MIN_KEY_BYTES:
-        raise ValueError(f"fleet key file {path!r} holds {len(key)} bytes; at least "
-                         f"{MIN_KEY_BYTES} random bytes are needed (e.g. `head -c 32 /dev/urandom "
-                         "| xxd -p -c 64 > fleet.key`)")
-    mode = os.stat(path).st_mode
-    if mode & 0o077:
-        raise ValueError(f"fleet key file {path!r} is readable by group or others "
-                         f"(mode {oct(mode & 0o777)}): chmod 600 it")
-    return key
 
 
 def control_secret(fleet_key: bytes, engine_id: str) -> str:
