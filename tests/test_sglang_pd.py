@@ -304,6 +304,7 @@ def test_a_prefill_server_with_another_fleet_key_moves_nothing(fleet):
     servers.start(["P3"])
     servers.start(["foreign"])
     try:
+        _router_ready(servers["foreign"])
         prompts = _prompts(seed=15, n=2)
         got = _answers(servers["foreign"].url, model, prompts)
         refused = _count(servers["P3"].metrics(), "refused_messages")
@@ -377,6 +378,20 @@ def _when_pushing(server, timeout: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{server.name} pushed nothing in {timeout:.0f} s")
         time.sleep(0.05)
+
+
+def _router_ready(router, timeout: float = 60.0) -> None:
+    """Wait until sglang-router's /readiness answers 200: it has healthy prefill and
+    decode workers (its /health answers as soon as it listens, with none)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{router.url}/readiness", timeout=5.0):
+                return
+        except OSError as exc:  # HTTPError (503: no workers yet) or not listening
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{router.name} not ready within {timeout:.0f} s: {exc}")
+        time.sleep(0.5)
 
 
 def _router_serves_again(servers, model: str, timeout: float = 120.0) -> None:
