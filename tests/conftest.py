@@ -12,3 +12,16 @@ if ROOT not in sys.path:
 # Tests of the defaults themselves, and the emulated-hosts test, set their own.
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("KVOPS_SIDE_CHANNEL_PORT", "0")
+
+import pytest  # noqa: E402
+
+FLEET_KEY = bytes(range(32)).hex().encode()  # a valid fleet key (64 hex characters)
+
+
+@pytest.fixture
+def key_file(tmp_path):
+    """A fleet key file as an operator writes it (mode 600) holding FLEET_KEY."""
+    path = tmp_path / "fleet.key"
+    path.write_bytes(FLEET_KEY)
+    path.chmod(0o600)
+    return str(path)

@@ -15,15 +15,7 @@ import pytest
 from torch_kvops.addresses import endpoint, host_address, is_loopback, routed_address
 from torch_kvops.integrations.vllm.metadata import KvopsSettings
 
-KEY_HEX = bytes(range(32)).hex()
-
-
-@pytest.fixture
-def key_file(tmp_path):
-    path = tmp_path / "fleet.key"
-    path.write_text(KEY_HEX)
-    path.chmod(0o600)
-    return str(path)
+# key_file: tests/conftest.py
 
 
 def _routed():

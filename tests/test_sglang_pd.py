@@ -98,12 +98,12 @@ def test_what_the_backend_does_not_move_yet_is_refused_at_start_up():
     when the manager starts, never a transfer that moves the wrong buffers."""
     done = _in_sglang(
         "from types import SimpleNamespace as NS\n"
-        "from torch_kvops.integrations.sglang.manager import KvopsKVManager as M\n"
-        "M._check_supported(NS(), NS(device='cpu', tp_size=1), False)\n"
+        "from torch_kvops.integrations.sglang.manager import check_supported\n"
+        "check_supported(NS(), NS(device='cpu', tp_size=1), False)\n"
         "for args, server, mla in ((NS(), NS(device='cpu', tp_size=1), True),\n"
         "                          (NS(), NS(device='cpu', tp_size=2), False)):\n"
         "    try:\n"
-        "        M._check_supported(args, server, mla)\n"
+        "        check_supported(args, server, mla)\n"
         "    except NotImplementedError as exc:\n"
         "        print(exc)\n")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -10,16 +10,9 @@ import pytest
 from torch_kvops.integrations.sglang.settings import CONFIG_ENV, KvopsSglangSettings
 from torch_kvops.integrations.sglang.signing import MessageSigner
 
-KEY = bytes(range(32)).hex().encode()
+from conftest import FLEET_KEY as KEY  # key_file (the fixture) holds it
+
 ROUTED = "198.18.0.1"  # an address beyond this host (is_loopback needs no interface)
-
-
-@pytest.fixture
-def key_file(tmp_path):
-    path = tmp_path / "fleet.key"
-    path.write_bytes(KEY)
-    path.chmod(0o600)
-    return str(path)
 
 
 def _settings(monkeypatch, **raw) -> KvopsSglangSettings:

@@ -69,12 +69,30 @@ class Destination:
     aux_index: int
 
 
+def check_supported(args, server_args, is_mla_backend: bool) -> None:
+    """What this backend does not move yet fails at start-up, not in a transfer."""
+    missing = []
+    if is_mla_backend:  # one latent buffer per layer, where the push expects K and V
+        missing.append("MLA models (latent KV pools, DeepSeek)")
+    if str(getattr(server_args, "device", "cpu")) != "cpu":
+        missing.append(f"device {server_args.device!r} (host KV caches only so far)")
+    if getattr(args, "num_draft_entries", 0):
+        missing.append("speculative decoding's draft KV")
+    if getattr(args, "state_types", None):
+        missing.append(f"state pools {args.state_types}")
+    if getattr(server_args, "tp_size", 1) != 1:
+        missing.append("tensor parallelism")
+    if missing:
+        raise NotImplementedError("the kvops SGLang backend does not support "
+                                  + ", ".join(missing) + " yet")
+
+
 class KvopsKVManager(sgl.CommonKVManager):
     """See the module docstring."""
 
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend: bool = False) -> None:
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
-        self._check_supported(args, server_args, is_mla_backend)
+        check_supported(args, server_args, is_mla_backend)
         self.settings = KvopsSglangSettings.from_env()
         self.settings.check_exposure(self.local_ip)
         fleet_key = self.settings.fleet_key()
@@ -117,24 +135,6 @@ class KvopsKVManager(sgl.CommonKVManager):
             self._start_heartbeat_checker_thread()
         log.info("kvops %s rank %s: %d KV buffers of %d pages", "prefill" if self.prefill
                  else "decode", self.kv_args.engine_rank, len(self.caches), self.caches[0].size(0))
-
-    @staticmethod
-    def _check_supported(args, server_args, is_mla_backend: bool) -> None:
-        """What this backend does not move yet fails at start-up, not in a transfer."""
-        missing = []
-        if is_mla_backend:  # one latent buffer per layer, where the push expects K and V
-            missing.append("MLA models (latent KV pools, DeepSeek)")
-        if str(getattr(server_args, "device", "cpu")) != "cpu":
-            missing.append(f"device {server_args.device!r} (host KV caches only so far)")
-        if getattr(args, "num_draft_entries", 0):
-            missing.append("speculative decoding's draft KV")
-        if getattr(args, "state_types", None):
-            missing.append(f"state pools {args.state_types}")
-        if getattr(server_args, "tp_size", 1) != 1:
-            missing.append("tensor parallelism")
-        if missing:
-            raise NotImplementedError("the kvops SGLang backend does not support "
-                                      + ", ".join(missing) + " yet")
 
     # ------------------------------------------------------------- decode -> prefill
 
