@@ -69,10 +69,10 @@ def test_bad_segments_and_mla_with_pipeline_parallelism_are_refused():
 class _Conn:
     def __init__(self, engine_id):
         self.engine_id = engine_id
-        self.expected = []
+        self.expected = {}  # part -> the blocks its begins may name
 
-    def expect(self, tid):
-        self.expected.append(tid)
+    def expect(self, tid, blocks=None):
+        self.expected[tid] = set(blocks)
         return True
 
 
@@ -92,7 +92,7 @@ def test_producer_chunks_and_consumer_expectations_agree(p_tp, d_tp):
     chunks = [PushReq("r", "T", peers, src[0:3], dst[0:3], False, "layerwise", block_offset=0, total_blocks=5),
               PushReq("r", "T", peers, src[2:5], dst[2:5], True, "layerwise", block_offset=2, total_blocks=5)]
     received = {d: set() for d in range(d_tp)}
-    sent_parts = {d: set() for d in range(d_tp)}
+    sent_parts = {d: {} for d in range(d_tp)}  # part -> the blocks its requests name
     for p in range(p_tp):
         w = ProducerWorker.__new__(ProducerWorker)
         w.latent, w.tp_size, w.tp_rank = True, p_tp, p
@@ -103,14 +103,15 @@ def test_producer_chunks_and_consumer_expectations_agree(p_tp, d_tp):
                 assert req.last_chunk == (k == 1)
                 assert [s + 10 for s in req.src_blocks] == list(req.dst_blocks)
                 received[d].update(req.dst_blocks)
-                sent_parts[d].add(req.req_id)
+                sent_parts[d].setdefault(req.req_id, set()).update(req.dst_blocks)
     for d in range(d_tp):
         assert received[d] == set(dst)
         c = ConsumerWorker.__new__(ConsumerWorker)
         c.latent, c._by_head, c.tp_size, c.tp_rank, c.conn = True, False, d_tp, d, _Conn(f"D-{d}")
         c._recv_blocks, c._recv_left, c._recv_tid_to_req, c._early, c._part_units = {}, {}, {}, {}, {}
         c._expect("r", "T", p_tp, dst)
-        assert set(c.conn.expected) == sent_parts[d]
+        # the parts sent, each expected with the blocks its begins name (none refused)
+        assert c.conn.expected == sent_parts[d]
 
 
 def test_a_latent_cache_on_one_side_only_is_refused():
