@@ -336,11 +336,24 @@ def test_a_lease_nobody_renews_ends_at_its_term():
 def test_wait_for_finished_wakes_when_a_transfer_lands_and_not_without_one(consumer, producer):
     """An idle engine waits in wait_for_finished instead of polling get_finished: each
     side wakes when its transfer ends (not at its timeout), and returns at once when
-    nothing is in flight."""
+    nothing is in flight; with ``while_idle`` (a thread that only collects outcomes,
+    as the SGLang backend's) it waits while nothing is in flight too, and wakes when a
+    transfer started meanwhile ends."""
     conn, caches = producer
     woke, waited = consumer.call("wait_for_finished", 2.0)
     assert woke is False and waited < 0.1  # nothing expected: no wait
     assert conn.wait_for_finished(2.0) is False  # nothing pushed: no wait
+    started = time.monotonic()
+    assert conn.wait_for_finished(0.3, while_idle=True) is False
+    assert time.monotonic() - started >= 0.25, "an outcome thread would spin"
+    collected = {}
+
+    def collect():
+        began = time.monotonic()
+        collected["woke"] = conn.wait_for_finished(10.0, while_idle=True)
+        collected["waited"] = time.monotonic() - began
+    collector = threading.Thread(target=collect)
+    collector.start()
 
     peer = conn.add_peer(consumer.info)
     consumer.call("expect", ["a"])
@@ -355,7 +368,9 @@ def test_wait_for_finished_wakes_when_a_transfer_lands_and_not_without_one(consu
         woke, waited = consumer.call("wait_for_finished", 10.0)
     finally:
         pusher.join()
+        collector.join(15.0)
     assert woke is True and 0.25 < waited < 5.0, waited
+    assert collected["woke"] is True and 0.25 < collected["waited"] < 5.0, collected
     assert consumer.call("drain") == (["a"], [])
     started = time.monotonic()
     assert conn.wait_for_finished(10.0) is True  # the push's acknowledgement

@@ -111,3 +111,45 @@ def test_concurrent_add_peer_of_one_consumer_makes_one_link():
         conn.close()
         transport.close()
         consumer.stop()
+
+
+def test_a_staging_area_costs_resident_memory_only_where_slots_are_written():
+    """Each link's staging on the CPU path (64 MiB granted by the consumer, mirrored by
+    the producer) is allocated, not written, when the link is made: the pages become
+    resident only where gathers and scatters write them, so resident memory follows
+    use (pinned CUDA staging is resident at once: not covered here). A push of 0.25 MiB
+    per layer costs about that per slot used, on both sides."""
+    import torch
+
+    from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
+    from torch_kvops.testing.consumer_process import ConsumerProcess, process_resources
+    from torch_kvops.testing.pushes import push_and_receive
+
+    layers, blocks, shape = 4, 64, (2, 8, 256)  # 16 KiB blocks
+    consumer = ConsumerProcess(layers, blocks, shape)
+    transport = MooncakeTransport(host="127.0.0.1")
+    conn = LayerwiseConnector("producer", transport, ConnectorConfig())
+    caches = [torch.randn(blocks, *shape) for _ in range(layers)]
+    try:
+        conn.register_kv_caches(caches)
+        mib = lambda r: r["rss_kib"] / 1024  # noqa: E731
+        consumer_before, producer_before = mib(consumer.call("resources")), mib(process_resources())
+        peer = conn.add_peer(consumer.info)
+        granted = ConnectorConfig().staging_slots * ConnectorConfig().staging_slot_bytes >> 20
+        consumer_linked, producer_linked = mib(consumer.call("resources")), mib(process_resources())
+        consumer.call("expect", ["r"])
+        # 16 fragmented blocks per layer (staged): 0.25 MiB into each of 4 slots
+        push_and_receive(conn, caches, consumer, TransferRequest("r", peer, list(range(0, 32, 2)),
+                                                                 list(range(33, 64, 2))))
+        consumer_used, producer_used = mib(consumer.call("resources")), mib(process_resources())
+        assert conn.stats()["staged_writes"] == layers, "the push did not go through staging"
+        print(f"{granted} MiB staging per side; consumer RSS {consumer_before:.0f} -> linked "
+              f"{consumer_linked:.0f} -> after the push {consumer_used:.0f} MiB; producer "
+              f"{producer_before:.0f} -> {producer_linked:.0f} -> {producer_used:.0f} MiB")
+        assert consumer_linked - consumer_before < granted / 8, "the consumer's grant became resident"
+        assert producer_linked - producer_before < granted / 8, "the producer's mirror became resident"
+        assert consumer_used - consumer_before < granted / 4
+    finally:
+        conn.close()
+        transport.close()
+        consumer.stop()

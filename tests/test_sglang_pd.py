@@ -243,6 +243,34 @@ def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_layer_by_
     assert layers > 0 and early > 0
 
 
+IDLE_S = 5.0
+
+
+def _cpu_s(server) -> float:
+    """CPU seconds (user + system) the server's processes have used."""
+    total = 0
+    for pid in server.processes():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_servers_use_next_to_no_cpu(fleet):
+    """An idle server (its scheduler asleep: --sleep-on-idle; the backend's threads
+    blocked) uses next to no CPU. Seen red: the backend's outcome thread spun while no
+    transfer was in flight, a core per server, beside the busy ones."""
+    servers = fleet[0]
+    before = {name: _cpu_s(servers[name]) for name in ("P1", "P2", "D")}
+    time.sleep(IDLE_S)
+    used = {name: round(_cpu_s(servers[name]) - before[name], 2) for name in before}
+    print(f"\n[sglang] CPU seconds used in {IDLE_S:.0f} s idle: {used}")
+    assert all(u < 0.2 * IDLE_S for u in used.values()), used
+
+
 @pytest.mark.parametrize("mode", ["misplace", "drop", "drop_layer"])
 def test_negative_control_misplaced_or_dropped_kv_changes_the_answers(fleet, mode):
     """With D's checks switched off (``unverified``: the integrity check; ``unchecked``:
@@ -434,10 +462,13 @@ def test_a_fault_fails_only_its_own_requests_and_every_page_comes_back(fleet, fa
     # the rooms the fault failed on the servers left (sglang-router retries a request
     # whose transfer failed, so its client may never see the fault)
     hit = {n: _count(servers[n].metrics(), "rooms", label="failed") - rooms_failed[n] for n in left}
+    aborts = {n: _count(servers[n].metrics(), "abort_notices") for n in left if n != "D"}
+    refused = {n: _count(servers[n].metrics(), "refused_messages") for n in left}
     print(f"\n[sglang] {fault}: {len(failed)} of 8 requests failed, {len(wrong)} wrong; rooms failed "
-          f"{hit}; pages of {left} back {settled_s:.0f} s after the load; first error: "
-          f"{[got[i][:160] for i in failed[:1]]}")
+          f"{hit}; pages of {left} back {settled_s:.0f} s after the load; abort notices taken "
+          f"{aborts}, messages refused {refused}; first error: {[got[i][:160] for i in failed[:1]]}")
     assert not wrong, [got[i] for i in wrong]
+    assert not any(refused.values()), "a server of the fleet refused a message of the fleet"
     assert failed or any(hit.values()), "the fault hit no request: nothing was shown"
     if victim is not None:
         servers.restart(victim, 600)

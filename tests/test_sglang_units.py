@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from torch_kvops.integrations.sglang.settings import CONFIG_ENV, KvopsSglangSettings
-from torch_kvops.integrations.sglang.signing import MessageSigner
+from torch_kvops.integrations.sglang.signing import MessageSigner, SignedAborts
 
 from conftest import FLEET_KEY as KEY  # key_file (the fixture) holds it
 
@@ -36,6 +36,25 @@ def test_a_signed_message_opens_only_whole_and_under_the_same_key():
             signer.open(forged)
     unsigned = MessageSigner(None)  # no key: as before, nothing added or checked
     assert not unsigned.enabled and unsigned.sign(frames) == frames and unsigned.open(frames) == frames
+
+
+def test_sglangs_abort_notice_leaves_signed_and_the_backends_messages_as_they_are():
+    class Socket:  # what SGLang's receiver holds: a ZMQ socket (only what is sent matters)
+        sent = []
+
+        def send_multipart(self, frames):
+            self.sent.append(list(frames))
+
+    signer = MessageSigner(KEY)
+    sock = SignedAborts(Socket(), signer, b"ABORT")
+    abort = [b"ABORT", b"17", b"127.0.0.1", b"4000", b"3"]  # AbortNotification.to_zmq()
+    ours = signer.sign([b"17", b"127.0.0.1", b"4000"])  # a destination, signed when built
+    sock.send_multipart(abort)
+    sock.send_multipart(ours)
+    assert signer.open(Socket.sent[0]) == abort, "the abort notice opens under the fleet key"
+    assert Socket.sent[1] == ours, "a message of the backend is not signed twice"
+    with pytest.raises(ValueError):
+        MessageSigner(b"k" * 32).open(Socket.sent[0])
 
 
 def test_the_fleet_key_comes_from_the_settings_or_the_environment(monkeypatch, key_file, tmp_path):

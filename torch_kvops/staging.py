@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -67,7 +67,10 @@ def uniform_block(caches: Sequence[torch.Tensor]) -> Optional[torch.Size]:
 
 def _block_buffer(caches: Sequence[torch.Tensor], blocks: int) -> torch.Tensor:
     """Host memory for ``blocks`` blocks: pinned when the caches live on a device, so
-    the copies to and from it are asynchronous DMA (or kernel) copies."""
+    the copies to and from it are asynchronous DMA (or kernel) copies. Left unwritten
+    (``empty``, never ``zeros``): on the host path its pages become resident only where
+    slots are written, so a link's staging costs what it moves, not what was granted
+    (tests/test_peer_churn.py)."""
     on_device = caches[0].device.type != "cpu"
     return torch.empty((blocks, *caches[0].shape[1:]), dtype=caches[0].dtype, device="cpu",
                        pin_memory=on_device)
@@ -144,12 +147,13 @@ class ConsumerStaging:
                 self._areas[producer] = area
         return StagingGrant(area.data_ptr(), self._slots, self._slot_blocks)
 
-    def scatter(self, producer: str, layer: int, slot: int, dst_blocks: List[int]) -> None:
-        """Copy slot ``slot`` of ``producer``'s area into ``dst_blocks`` of ``layer``
-        (block ids are checked by swap_blocks_batch; the rest here). Returns once the
-        copy is complete, so the slot may be acknowledged and a request that ends after
-        it reported finished; on CUDA it runs on the connector's stream, never the
-        decode model's."""
+    def scatter_job(self, producer: str, layer: int, slot: int, dst_blocks: List[int]) -> Callable[[], None]:
+        """The copy of slot ``slot`` of ``producer``'s area into ``dst_blocks`` of
+        ``layer``, checked here and now (block ids are checked by swap_blocks_batch),
+        to run on a scatter worker (consumer_scatter.py). It returns once the copy is
+        complete, so the slot may be acknowledged and a request that ends after it
+        reported finished; on CUDA it runs on the connector's stream, never the decode
+        model's."""
         area = self._areas[producer]
         if not 0 <= layer < len(self._caches):
             raise ValueError(f"scatter: layer {layer} out of range ({len(self._caches)} layers)")
@@ -159,11 +163,12 @@ class ConsumerStaging:
             raise ValueError(f"scatter: {len(dst_blocks)} blocks exceed a slot of {self._slot_blocks}")
         base = slot * self._slot_blocks
         mapping = torch.tensor([[base + k, d] for k, d in enumerate(dst_blocks)], dtype=torch.int64)
-        copy = lambda: ops.swap_blocks_batch([area], [self._caches[layer]], mapping)  # noqa: E731
+        cache = self._caches[layer]
+        copy = lambda: ops.swap_blocks_batch([area], [cache], mapping)  # noqa: E731
         if self._stream is None:
-            copy()
-        else:
-            _DeviceCopy(self._stream, copy, None, self._copy_timeout_s).result()
+            return copy
+        stream, timeout_s = self._stream, self._copy_timeout_s
+        return lambda: _DeviceCopy(stream, copy, None, timeout_s).result()
 
     def release(self, producer: str) -> None:
         """The producer's connection ended: unregister its area at once (no new

@@ -35,6 +35,7 @@ from .config import ConnectorConfig
 from .consumer_admission import BeginAdmission
 from .consumer_fence import ConsumerFence
 from .consumer_integrity import ConsumerIntegrity
+from .consumer_scatter import ConsumerScatter, ScatterWorkers
 from .integrity import BlockDigester
 from .ledger import ConnectorStats, RequestLedger
 from .verifier import Verifier
@@ -63,15 +64,18 @@ class _Incoming:
     fenced_until: Optional[float] = None
     trust_landed: bool = True  # the landed chunks it will report when the fence ends
     revoke_sent: bool = False  # the producer was asked to stop and acknowledge
+    scattering: int = 0  # staging scatters into its blocks still running (consumer_scatter.py)
+    end_after_scatter: Optional[Tuple[bool, bool]] = None  # (ok, trust_landed) once they are done
 
     @property
     def live(self) -> bool:
         return self.fenced_until is None
 
 
-class ConsumerSide(ConsumerFence, ConsumerIntegrity, BeginAdmission):
+class ConsumerSide(ConsumerFence, ConsumerIntegrity, BeginAdmission, ConsumerScatter):
     """Control server, request leases and staging areas of a consumer connector (the
-    fence: consumer_fence.py; integrity checks: consumer_integrity.py)."""
+    fence: consumer_fence.py; integrity checks: consumer_integrity.py; staging
+    scatters: consumer_scatter.py)."""
 
     def __init__(self, caches: Sequence[torch.Tensor], transport: Transport, config: ConnectorConfig,
                  ledger: RequestLedger, stats: ConnectorStats, control_host: str,
@@ -97,6 +101,7 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity, BeginAdmission):
         if config.integrity_mode != "off" and all(c.device.type == "cpu" for c in caches):
             self._digester(config.integrity_mode)  # a missing dependency fails here, not mid-push
         self._verifier: Optional[Verifier] = None  # started on the first request to verify
+        self._scatters = ScatterWorkers(lambda fn: self._server.call_soon(fn))
         self._server = ControlServer(control_host, self._on_control, self._on_producer_gone,
                                      self._expire_leases, secret=self._secret,
                                      send_timeout_s=config.control_timeout_s,
@@ -165,18 +170,7 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity, BeginAdmission):
         elif op == "scatter":
             if self._staging is None or not session.staging:
                 raise ValueError("scatter without a staging grant")
-            layer, slot, dst = int(message["layer"]), int(message["slot"]), _block_list(message["dst"])
-            if self._owns_blocks(session, dst):
-                self._staging.scatter(session.producer, layer, slot, dst)
-                session.reply({"op": "ack", "slot": slot})
-            else:
-                # Blocks of no request this session has in flight (its lease expired and
-                # the engine may have reused them, or another producer's): never move
-                # bytes there. The ack frees the slot; the request is not finished here.
-                self._stats.add(scatter_refused=1)
-                log.warning("producer %s: scatter into blocks of no request it has in flight: "
-                            "refused", session.producer)
-                session.reply({"op": "ack", "slot": slot, "refused": True})
+            self._scatter(message, session, _block_list(message["dst"]))  # consumer_scatter.py
         elif op == "digests":
             self._layer_digests(message, session)
         elif op in ("chunk", "failed"):
@@ -247,16 +241,6 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity, BeginAdmission):
                   "(first: %d): refused, the request fails", req_id, len(outside), outside[0])
         self._give_up_locked(req_id, writes_may_land=bool(entry.blocks))  # an earlier begin's
 
-    def _owns_blocks(self, session: Session, blocks: List[int]) -> bool:
-        """True if every block belongs to a live (not revoked) request of the session."""
-        with self._ledger.lock:
-            owned = self._owned_blocks.get(session, {})
-            for block in blocks:
-                entry = self._incoming.get(owned.get(block, ""))
-                if entry is None or not entry.live:
-                    return False
-            return True
-
     def _request_notice(self, op: str, req_id: str, message: dict, session: Session) -> None:
         with self._ledger.lock:
             entry = self._incoming.get(req_id)
@@ -315,7 +299,10 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity, BeginAdmission):
 
     def _end_locked(self, req_id: str, ok: bool, trust_landed: bool = True) -> None:
         """Under the ledger lock: report the request once and forget its blocks. A
-        failed request keeps the list of chunks that landed whole (landed_chunks)."""
+        failed request keeps the list of chunks that landed whole (landed_chunks); one
+        with a staging scatter still running is reported once it is done."""
+        if self._end_waits_for_scatter_locked(self._incoming[req_id], ok, trust_landed):
+            return
         entry = self._incoming.pop(req_id)
         entry.ended = True
         if entry.owner is not None:
@@ -357,8 +344,11 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity, BeginAdmission):
             problems.append(str(exc))
         if self._verifier is not None and not self._verifier.close(timeout):
             problems.append("the integrity verifier thread did not stop within the close timeout")
+        if not self._scatters.close(timeout):
+            problems.append("a staging scatter did not finish within the close timeout")
         with self._ledger.lock:
-            for req_id in list(self._incoming):
+            for req_id, entry in list(self._incoming.items()):
+                entry.scattering = 0  # the workers are stopped (or abandoned): nothing waits
                 self._end_locked(req_id, ok=False)
             self._owned_blocks.clear()
         if self._staging is not None:

@@ -248,14 +248,18 @@ class LayerwiseConnector:
             return set(), set()
         return self._ledger.drain()
 
-    def wait_for_finished(self, timeout_s: float) -> bool:
+    def wait_for_finished(self, timeout_s: float, while_idle: bool = False) -> bool:
         """Block up to ``timeout_s`` until :meth:`get_finished` has a request to report,
-        while any is in flight (returns at once otherwise); True if one is. An engine
-        with nothing to compute calls this instead of polling ``get_finished`` in a
-        busy loop: it wakes when a transfer ends, not a poll later."""
+        while any is in flight (returns at once otherwise, unless ``while_idle``); True
+        if one is. An engine with nothing to compute calls this instead of polling
+        ``get_finished`` in a busy loop: it wakes when a transfer ends, not a poll
+        later. A thread whose only job is to collect outcomes passes ``while_idle``:
+        returning at once while nothing is in flight would make its loop spin."""
         if self._ledger is None or timeout_s <= 0:
             return False
         side = self._side
+        if while_idle:
+            return self._ledger.wait_for_news(timeout_s, lambda: True)
         if isinstance(side, ConsumerSide):
             return self._ledger.wait_for_news(timeout_s, lambda: side.in_flight > 0)
         return self._ledger.wait_for_news(timeout_s, lambda: bool(self._ledger.in_flight))

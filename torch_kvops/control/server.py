@@ -2,6 +2,7 @@
 handshake and hands each later message to the connector (one ``Session`` per producer)."""
 from __future__ import annotations
 
+import collections
 import hmac
 import json
 import logging
@@ -35,6 +36,8 @@ class Session:
         self.tls_handshaking = False  # TLS handshake not done yet (a TLS server only)
         self.outbox = bytearray()  # answers not yet taken by the producer's socket
         self.stalled_since: Optional[float] = None  # the socket is full: since its last progress
+        self.held = 0  # work of its own running off the thread: its next messages wait
+        self.closed_by_peer = False  # while held: its messages are handled, then it is dropped
 
     @property
     def authenticated(self) -> bool:
@@ -42,6 +45,23 @@ class Session:
 
     def reply(self, message: dict) -> None:
         self._server._send(self._conn, message)
+
+    def hold(self) -> None:
+        """Server thread: hand no more of this session's messages to ``on_message``
+        until :meth:`resume` (its order is kept while its work runs elsewhere)."""
+        self.held += 1
+
+    def resume(self) -> None:
+        """Server thread: the work that held the session is done; its waiting
+        messages are handled now, in order."""
+        self.held -= 1
+        self._server._dispatch(self._conn)
+
+    def drop(self, reason: str) -> None:
+        """Server thread: end this connection (its producer then fails its requests)."""
+        conn = self._conn
+        if conn in self._server._sessions:
+            self._server._reject(conn, self, reason)
 
 
 class ControlServer:
@@ -51,6 +71,8 @@ class ControlServer:
     answers with ``welcome``. ``on_close(session)`` runs when an authenticated
     connection ends; ``on_tick`` runs every ``tick_s`` (lease expiry). A message whose
     handler raises drops only its own connection (the producer then fails its requests).
+    Other threads hand results back with :meth:`call_soon`; a handler that passes a
+    session's work to another thread holds the session (``Session.hold``) meanwhile.
 
     ``counters`` (read with :meth:`counters_snapshot`) count connections refused by the
     handshake and connections dropped for a bad message.
@@ -84,6 +106,12 @@ class ControlServer:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._sessions: Dict[socket.socket, Session] = {}
+        # call_soon: callables from other threads, and a socket pair that wakes select()
+        self._calls: "collections.deque[Callable[[], None]]" = collections.deque()
+        self._wake_in, self._wake_out = socket.socketpair()
+        for end in (self._wake_in, self._wake_out):
+            end.setblocking(False)
+        self._selector.register(self._wake_out, selectors.EVENT_READ, "wake")
         self._stop = threading.Event()
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="kvops-control-server", daemon=True)
@@ -104,16 +132,41 @@ class ControlServer:
                     if key.fileobj is self._listener:
                         self._accept()
                         continue
+                    if key.data == "wake":
+                        self._drain_wakes()
+                        continue
                     if events & selectors.EVENT_WRITE:
                         self._flush(key.fileobj)
                     if events & selectors.EVENT_READ and key.fileobj in self._sessions:
                         self._read(key.fileobj)
+                self._run_calls()
                 self._expire_handshakes()
                 self._expire_unread()
                 self._on_tick()
         except BaseException as exc:  # surfaced by check(); the thread must not die silently
             log.exception("control server failed")
             self._error = exc
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Any thread: run ``fn`` on the server thread, soon (dropped once closed)."""
+        self._calls.append(fn)
+        try:
+            self._wake_in.send(b"w")
+        except (BlockingIOError, InterruptedError):
+            pass  # wakes are pending already
+        except OSError:
+            pass  # closed: the server thread runs nothing more
+
+    def _drain_wakes(self) -> None:
+        try:
+            while self._wake_out.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            self._calls.popleft()()
 
     def _accept(self) -> None:
         try:
@@ -174,11 +227,25 @@ class ControlServer:
         if not data:
             if not session.authenticated:  # left without proving itself
                 self._count("control_auth_failed")
+            if session.held:  # what it sent before it closed is handled first
+                session.closed_by_peer = True
+                self._selector.unregister(conn)
+                return
             self._drop(conn)
             return
         session.buffer += data
+        if session.held and len(session.buffer) > self._max_outbox:
+            self._reject(conn, session, f"more than {self._max_outbox} bytes sent while its work ran")
+            return
+        self._dispatch(conn)
+
+    def _dispatch(self, conn: socket.socket) -> None:
+        """Hand the session's complete lines to the handlers, unless it is held."""
+        session = self._sessions.get(conn)
+        if session is None:
+            return
         limit = self._max_line if session.authenticated else MAX_HANDSHAKE_LINE
-        while conn in self._sessions:
+        while conn in self._sessions and not session.held:
             end = session.buffer.find(b"\n")
             if end < 0:
                 if len(session.buffer) > limit:
@@ -201,6 +268,8 @@ class ControlServer:
                 log.warning("bad control message %r: dropping the connection (%s: %s)",
                             line[:200], type(exc).__name__, exc)
                 self._reject(conn, session, None)
+        if session.closed_by_peer and not session.held and conn in self._sessions:
+            self._drop(conn)
 
     def _reject(self, conn: socket.socket, session: Session, reason: Optional[str]) -> None:
         if reason:
@@ -243,8 +312,8 @@ class ControlServer:
 
     def _send(self, conn: socket.socket, message: dict) -> None:
         session = self._sessions.get(conn)
-        if session is None:
-            return  # dropped already
+        if session is None or session.closed_by_peer:
+            return  # dropped already, or no one reads
         session.outbox += (json.dumps(message) + "\n").encode()
         if len(session.outbox) > self._max_outbox:
             self._reject(conn, session, f"more than {self._max_outbox} bytes of answers unread")
@@ -287,7 +356,8 @@ class ControlServer:
 
     def _drop(self, conn: socket.socket) -> None:
         session = self._sessions.pop(conn, None)
-        self._selector.unregister(conn)
+        if session is None or not session.closed_by_peer:
+            self._selector.unregister(conn)
         conn.close()
         if session is not None:
             session.buffer = bytearray()
@@ -306,6 +376,10 @@ class ControlServer:
             raise RuntimeError("control server thread did not stop")
         for conn in list(self._sessions):
             self._drop(conn)
+        self._calls.clear()
+        self._selector.unregister(self._wake_out)
+        for end in (self._wake_in, self._wake_out):
+            end.close()
         self._selector.unregister(self._listener)
         self._listener.close()
         self._selector.close()

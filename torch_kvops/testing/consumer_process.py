@@ -64,8 +64,38 @@ def _make_hostile(how) -> None:
     Session.reply = hostile_reply
 
 
+# Slow staging scatters (tests only), and the negative controls of what guards them.
+SCATTER_CONTROLS = (None, "inline", "unfenced")
+
+
+def _slow_scatters(seconds: float, control) -> None:
+    """Each staging scatter waits ``seconds`` before its copy (a slow device copy).
+    ``control``: "inline" runs scatters on the control thread, as before the scatter
+    workers; "unfenced" reports a request without waiting for its running scatter."""
+    from ..connector import consumer_scatter
+    from ..staging import ConsumerStaging
+
+    job = ConsumerStaging.scatter_job
+
+    def slow_job(self, *args):
+        copy = job(self, *args)
+
+        def run():
+            time.sleep(seconds)
+            copy()
+        return run
+
+    ConsumerStaging.scatter_job = slow_job
+    if control == "inline":
+        consumer_scatter.ScatterWorkers.submit = lambda self, copy, done: (copy(), done(None))
+    elif control == "unfenced":
+        consumer_scatter.ConsumerScatter._end_waits_for_scatter_locked = staticmethod(
+            lambda entry, ok, trust_landed: False)
+
+
 def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, transport_kwargs,
-                  device="cpu", fleet_key=None, control_tls=None, hostile=None, netns=None):
+                  device="cpu", fleet_key=None, control_tls=None, hostile=None, netns=None,
+                  slow_scatter=None):
     try:
         host = "127.0.0.1"
         if netns is not None:  # another host (netns_host.py): before any socket or thread
@@ -79,6 +109,8 @@ def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, tran
 
         if hostile is not None:
             _make_hostile(hostile)
+        if slow_scatter is not None:
+            _slow_scatters(*slow_scatter)
         caches = [torch.full((num_blocks, *block_shape), -7.0, device=device)
                   for _ in range(num_layers)]
         transport = MooncakeTransport(host=host, **transport_kwargs)
@@ -155,11 +187,15 @@ class ConsumerProcess(WorkerProcess):
     """Handle on a consumer process; ``info`` is its ``peer_info()``."""
 
     def __init__(self, num_layers, num_blocks, block_shape, timeout=60.0, transport_kwargs=None,
-                 device="cpu", fleet_key=None, control_tls=None, hostile=None, host=None, **config_kwargs):
-        """``host``: a :class:`~torch_kvops.testing.netns_host.NetnsHost` to run in."""
+                 device="cpu", fleet_key=None, control_tls=None, hostile=None, host=None,
+                 slow_scatter=None, **config_kwargs):
+        """``host``: a :class:`~torch_kvops.testing.netns_host.NetnsHost` to run in;
+        ``slow_scatter``: ``(seconds, control)`` (:func:`_slow_scatters`)."""
         netns = (host.name, host.address) if host is not None else None
+        if slow_scatter is not None and slow_scatter[1] not in SCATTER_CONTROLS:
+            raise ValueError(f"slow_scatter control must be one of {SCATTER_CONTROLS}")
         super().__init__(consumer_main, (num_layers, num_blocks, block_shape, config_kwargs,
                                          transport_kwargs or {}, device, fleet_key, control_tls, hostile,
-                                         netns),
+                                         netns, slow_scatter),
                          "consumer", timeout)
         self.info = self.hello

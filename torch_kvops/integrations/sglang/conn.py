@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from . import internals as sgl
 from .manager import KvopsKVManager
+from .signing import SignedAborts
 
 __all__ = ["KvopsKVBootstrapServer", "KvopsKVManager", "KvopsKVReceiver", "KvopsKVSender"]
 
@@ -50,6 +51,10 @@ class KvopsKVReceiver(sgl.CommonKVReceiver):
     def clear(self) -> None:
         super().clear()
         self.kv_mgr.forget(self.bootstrap_room)
+
+    def _connect_to_bootstrap_server(self, bootstrap_info: dict):
+        sock, lock = super()._connect_to_bootstrap_server(bootstrap_info)
+        return SignedAborts(sock, self.kv_mgr.signer, sgl.ABORT_TAG), lock
 
 
 class KvopsKVBootstrapServer(sgl.CommonKVBootstrapServer):

@@ -67,6 +67,8 @@ SIGNATURES: Dict[str, List[str]] = {
     "CommonKVReceiver.abort": [],
     "CommonKVReceiver.poll": [],
     "CommonKVReceiver.ensure_abort_notified": ["force_arm"],
+    # the socket SGLang's receiver sends its abort notice on (conn.SignedAborts signs it)
+    "CommonKVReceiver._connect_to_bootstrap_server": ["bootstrap_info"],
 }
 # attributes of a CommonKVManager instance the backend reads
 MANAGER_ATTRIBUTES = ("kv_args", "local_ip", "rank_port", "server_socket", "request_status",

@@ -163,13 +163,12 @@ class KvopsKVManager(sgl.CommonKVManager):
             msg = recv()
             if msg is None:
                 continue
-            if msg[0] != sgl.ABORT_TAG:  # SGLang's own notice (signing.py)
-                try:
-                    msg = self.signer.open(msg)
-                except ValueError as exc:
-                    self.counts.add("kvops_sglang_refused_messages")
-                    log.warning("kvops: a message of %d frames was refused: %s", len(msg), exc)
-                    continue
+            try:  # SGLang's abort notice too (conn.SignedAborts)
+                msg = self.signer.open(msg)
+            except ValueError as exc:
+                self.counts.add("kvops_sglang_refused_messages")
+                log.warning("kvops: a message of %d frames was refused: %s", len(msg), exc)
+                continue
             with self._handle_lock:
                 self._handle(msg)
 
@@ -190,6 +189,7 @@ class KvopsKVManager(sgl.CommonKVManager):
         if msg[0] == sgl.ABORT_TAG:
             notice = sgl.AbortNotification.from_zmq(msg)
             if notice is not None:
+                self.counts.add("kvops_sglang_abort_notices")
                 self.pushes.abort(notice.room, "the decode side aborted it")
             return
         if msg[0] == REGISTRATION:
@@ -342,7 +342,7 @@ class KvopsKVManager(sgl.CommonKVManager):
     def _outcome_loop(self) -> None:
         counted = dict.fromkeys(MIRRORED, 0)  # the connector's counts, mirrored into SGLang's metrics
         while True:
-            self.conn.wait_for_finished(0.5)
+            self.conn.wait_for_finished(0.5, while_idle=True)  # never a spinning loop
             finished, failed = self.conn.get_finished()
             if failed and not self.prefill:
                 stats = self.conn.stats()

@@ -19,6 +19,8 @@ HELP = {
                                    "it still owes the room",
     "kvops_sglang_refused_messages": "The backend's ZMQ messages refused: not signed with the "
                                      "fleet key",
+    "kvops_sglang_abort_notices": "Prefill: SGLang's abort notices from decode servers taken "
+                                  "(signed with the fleet key where there is one)",
     "kvops_sglang_integrity_failures": "Decode: rooms failed by the integrity check (their pages "
                                        "differ from what the prefill server pushed)",
     "kvops_sglang_misaddressed_rooms": "Decode: rooms failed because the prefill server named "

@@ -64,8 +64,10 @@ class KvopsSglangSettings:
         return settings
 
     def fleet_key(self) -> Optional[bytes]:
-        """The fleet key (None without one)."""
-        return load_fleet_key(self.fleet_key_file)
+        """The fleet key (None without one), read from its file once."""
+        if "_fleet_key" not in self.__dict__:  # (frozen: kept beside the fields)
+            self.__dict__["_fleet_key"] = load_fleet_key(self.fleet_key_file)
+        return self.__dict__["_fleet_key"]
 
     def check_exposure(self, host: str) -> None:
         """Refuse a server reachable beyond its host (``host``: where its Mooncake

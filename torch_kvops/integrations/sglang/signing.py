@@ -6,8 +6,8 @@ and what D decodes from (the metadata row: the first output token), or renew D's
 leases (the rooms P owes). With a fleet key every such message carries one more
 frame: HMAC-SHA256, under a key derived from the fleet key, over its frames (each
 length-prefixed, so frames cannot be re-cut); the receiver refuses a message without
-it or with a wrong one. SGLang's own abort notice (sent by SGLang's receiver, not by
-this backend) stays unsigned: a forged one can only abort the room it names.
+it or with a wrong one. SGLang's own abort notice, which SGLang's receiver sends, is
+signed on its way out (:class:`SignedAborts`), so it is refused unsigned as well.
 
 Without a fleet key messages are sent and taken as they are (a loopback-only fleet:
 settings.py refuses an exposed one)."""
@@ -49,3 +49,22 @@ class MessageSigner:
             mac.update(len(frame).to_bytes(8, "little"))
             mac.update(bytes(frame))
         return mac.digest()
+
+
+class SignedAborts:
+    """A decode rank's socket to a prefill rank, as SGLang's receiver sends on it
+    (conn.py wraps it): SGLang's own abort notice (first frame ``abort_tag``) goes out
+    signed, like the backend's messages, so no one without the key can abort a
+    prefill's rooms. The backend's messages come here signed already and pass as they
+    are."""
+
+    def __init__(self, sock, signer: MessageSigner, abort_tag: bytes) -> None:
+        self._sock, self._signer, self._abort_tag = sock, signer, abort_tag
+
+    def send_multipart(self, frames, *args, **kwargs):
+        if frames and frames[0] == self._abort_tag:
+            frames = self._signer.sign(frames)
+        return self._sock.send_multipart(frames, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
