@@ -106,12 +106,8 @@ class ControlServer:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._sessions: Dict[socket.socket, Session] = {}
-        # call_soon: callables from other threads, and a socket pair that wakes select()
-        self._calls: "collections.deque[Callable[[], None]]" = collections.deque()
-        self._wake_in, self._wake_out = socket.socketpair()
-        for end in (self._wake_in, self._wake_out):
-            end.setblocking(False)
-        self._selector.register(self._wake_out, selectors.EVENT_READ, "wake")
+        self._calls = _Calls()
+        self._selector.register(self._calls.wakes, selectors.EVENT_READ, "wake")
         self._stop = threading.Event()
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="kvops-control-server", daemon=True)
@@ -133,13 +129,12 @@ class ControlServer:
                         self._accept()
                         continue
                     if key.data == "wake":
-                        self._drain_wakes()
-                        continue
+                        continue  # run below
                     if events & selectors.EVENT_WRITE:
                         self._flush(key.fileobj)
                     if events & selectors.EVENT_READ and key.fileobj in self._sessions:
                         self._read(key.fileobj)
-                self._run_calls()
+                self._calls.run()
                 self._expire_handshakes()
                 self._expire_unread()
                 self._on_tick()
@@ -149,24 +144,7 @@ class ControlServer:
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Any thread: run ``fn`` on the server thread, soon (dropped once closed)."""
-        self._calls.append(fn)
-        try:
-            self._wake_in.send(b"w")
-        except (BlockingIOError, InterruptedError):
-            pass  # wakes are pending already
-        except OSError:
-            pass  # closed: the server thread runs nothing more
-
-    def _drain_wakes(self) -> None:
-        try:
-            while self._wake_out.recv(4096):
-                pass
-        except (BlockingIOError, InterruptedError):
-            pass
-
-    def _run_calls(self) -> None:
-        while self._calls:
-            self._calls.popleft()()
+        self._calls.post(fn)
 
     def _accept(self) -> None:
         try:
@@ -376,10 +354,42 @@ class ControlServer:
             raise RuntimeError("control server thread did not stop")
         for conn in list(self._sessions):
             self._drop(conn)
-        self._calls.clear()
-        self._selector.unregister(self._wake_out)
-        for end in (self._wake_in, self._wake_out):
-            end.close()
+        self._selector.unregister(self._calls.wakes)
+        self._calls.close()
         self._selector.unregister(self._listener)
         self._listener.close()
         self._selector.close()
+
+
+class _Calls:
+    """Callables handed to the server thread by others, and the socket that wakes its
+    ``select`` when one is posted."""
+
+    def __init__(self) -> None:
+        self._queue: "collections.deque[Callable[[], None]]" = collections.deque()
+        self._post_end, self.wakes = socket.socketpair()
+        for end in (self._post_end, self.wakes):
+            end.setblocking(False)
+
+    def post(self, fn: Callable[[], None]) -> None:
+        self._queue.append(fn)
+        try:
+            self._post_end.send(b"w")
+        except OSError:  # full (a wake is pending already), or closed (nothing runs any more)
+            pass
+
+    def run(self) -> None:
+        """Server thread: take the wakes, run what was posted."""
+        try:
+            while self.wakes.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        while self._queue:
+            self._queue.popleft()()
+
+    def close(self) -> None:
+        self._queue.clear()
+        self._post_end.close()
+        self.wakes.close()
+
