@@ -119,7 +119,10 @@ class ConsumerScatter:
             session.reply({"op": "ack", "slot": slot, "refused": True})
             return
         session.hold()
-        self._scatters.submit(copy, lambda error: self._scattered(session, slot, targets, error))
+        try:
+            self._scatters.submit(copy, lambda error: self._scattered(session, slot, targets, error))
+        except BaseException as exc:  # no worker could start: nothing runs, nothing waits
+            self._scattered(session, slot, targets, exc)
 
     def _live_owners_locked(self, session: Session, blocks: List[int]) -> "Optional[Dict[str, _Incoming]]":
         """The live (not revoked) requests of the session that own ``blocks``; None if
