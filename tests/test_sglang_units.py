@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from torch_kvops.integrations.sglang.prefill_restarts import cached_endpoints, prefill_restarted
 from torch_kvops.integrations.sglang.settings import CONFIG_ENV, KvopsSglangSettings
 from torch_kvops.integrations.sglang.signing import MessageSigner, SignedAborts
 
@@ -82,3 +83,48 @@ def test_a_server_beyond_loopback_needs_a_fleet_key_or_allow_insecure(monkeypatc
     with caplog.at_level(logging.WARNING):
         _settings(monkeypatch, allow_insecure=True).check_exposure(ROUTED)
     assert "without a fleet key" in caplog.text and "allow_insecure: true" in caplog.text
+
+
+def test_a_prefill_whose_rank_moved_is_found_restarted():
+    """What the decode side asks a prefill's bootstrap server after a heartbeat: a
+    cached rank at another endpoint now is a restart; the same endpoint, or no rank
+    (not registered yet: 503), is not. A real HTTP server answers as SGLang's
+    bootstrap server does (GET /route with the rank's query)."""
+    import http.server
+    import threading
+
+    answer = {"status": 200, "body": {"rank_ip": "127.0.0.1", "rank_port": 5001}}
+    queries = []
+
+    class Bootstrap(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            queries.append(self.path)
+            body = json.dumps(answer["body"]).encode()
+            self.send_response(answer["status"])
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Bootstrap)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    addr = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        pool = {f"{addr}_0_0_0": [{"rank_ip": "127.0.0.1", "rank_port": 5001, "pp_rank": 0}],
+                "10.0.0.9:8998_0_0_0": [{"rank_ip": "10.0.0.9", "rank_port": 7}]}  # another prefill
+        cached = cached_endpoints(pool, addr)
+        assert [q for q, _ in cached] == [
+            "prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"]
+        assert not prefill_restarted(addr, cached)  # the same endpoint
+        answer["body"] = {"rank_ip": "127.0.0.1", "rank_port": 5002}
+        assert prefill_restarted(addr, cached)  # restarted: its rank moved
+        answer.update(status=503, body={"error": "Prefill server not fully registered yet"})
+        assert not prefill_restarted(addr, cached)  # says nothing: asked again next time
+        assert all(q.startswith("/route?prefill_dp_rank=0") for q in queries), queries
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()

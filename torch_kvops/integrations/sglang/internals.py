@@ -56,6 +56,8 @@ SIGNATURES: Dict[str, List[str]] = {
     # when one stops answering (the backend keeps its rooms for the connector's outcome)
     "CommonKVManager._start_heartbeat_checker_thread": [],
     "CommonKVManager._handle_node_failure": ["failed_bootstrap_addr"],
+    # called after each answered heartbeat: a restarted prefill's ranks are checked there
+    "CommonKVManager._on_heartbeat_success": ["bootstrap_addr"],
     "CommonKVManager.build_receiver_metadata_message": [
         "bootstrap_room", "required_dst_info_num", "kv_indices", "aux_index", "state_indices",
         "decode_prefix_len", "is_dummy", "device_kv_indices"],
@@ -73,7 +75,7 @@ SIGNATURES: Dict[str, List[str]] = {
 # attributes of a CommonKVManager instance the backend reads
 MANAGER_ATTRIBUTES = ("kv_args", "local_ip", "rank_port", "server_socket", "request_status",
                       "transfer_infos", "req_to_decode_prefix_len", "attn_tp_size",
-                      "connection_lock", "addr_to_rooms_tracker")
+                      "connection_lock", "addr_to_rooms_tracker", "connection_pool")
 # KVPoll values the backend reports
 POLL_STATES = ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")
 

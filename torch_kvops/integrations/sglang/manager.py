@@ -46,6 +46,7 @@ from .decode_rooms import DecodeRooms
 from .layerwise import LayerwisePrefill
 from .metrics import Counts
 from .pages import page_views
+from .prefill_restarts import cached_endpoints, prefill_restarted
 from .push_queue import METADATA_ROW, PushQueue
 from .settings import KvopsSglangSettings
 from .signing import MessageSigner
@@ -293,7 +294,8 @@ class KvopsKVManager(sgl.CommonKVManager):
             self._prefill_parts.pop(room, None)
 
     def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
-        """Decode: a prefill server's bootstrap stopped answering SGLang's heartbeat.
+        """Decode: a prefill server's bootstrap stopped answering SGLang's heartbeat
+        (or its ranks moved: a restart between two heartbeats).
         SGLang's own handling drops its cached connection details (a restarted prefill
         server gets its new ports looked up) and fails its rooms at once; here its rooms
         are taken out first, so each ends with the connector's outcome instead (its
@@ -304,6 +306,13 @@ class KvopsKVManager(sgl.CommonKVManager):
         log.warning("prefill server %s stopped answering: its %d rooms end with their transfers' "
                     "outcome", failed_bootstrap_addr, len(kept))
         super()._handle_node_failure(failed_bootstrap_addr)
+
+    def _on_heartbeat_success(self, bootstrap_addr: str) -> None:
+        """Decode: a prefill restarted between two heartbeats (prefill_restarts.py)."""
+        with self.connection_lock:
+            cached = cached_endpoints(self.connection_pool, bootstrap_addr)
+        if cached and prefill_restarted(bootstrap_addr, cached):
+            self._handle_node_failure(bootstrap_addr)
 
     def _on_decode_message(self, msg: List[bytes]) -> None:
         if msg[0] == STILL_OWED:

@@ -1,0 +1,60 @@
+"""Decode side: a prefill server restarted between two of SGLang's heartbeats.
+
+SGLang's decode side caches, per prefill server (its bootstrap address), the ZMQ
+endpoints of its ranks, and drops the cache only when the bootstrap server misses
+``SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` heartbeats in a row. A prefill server
+that restarts faster than that (its bootstrap on the same port, its ranks on new ones)
+never misses them: every room's destination would go on to the dead process's
+endpoints, and the restarted server would never get a room. So after each answered
+heartbeat the backend asks the bootstrap server where the cached ranks are now; an
+endpoint that moved is a restart, handled as a failed prefill server (the manager's
+``_handle_node_failure``: the cache is dropped, its rooms end with their transfers'
+outcome).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Tuple
+
+import requests
+
+log = logging.getLogger(__name__)
+
+ROUTE_TIMEOUT_S = (2, 3)  # (connect, read), as SGLang's heartbeat
+
+
+def cached_endpoints(connection_pool: Dict[str, list], bootstrap_addr: str) -> List[Tuple[str, dict]]:
+    """(route query, cached rank info) of each rank of ``bootstrap_addr`` in SGLang's
+    ``connection_pool`` (keys ``{addr}_{dp}_{cp}_{tp}``; one info per rank; with TP 1,
+    the only TP this backend runs, the key's TP rank is the info's)."""
+    found = []
+    for key, infos in connection_pool.items():
+        if not key.startswith(bootstrap_addr + "_"):
+            continue
+        dp, cp, tp = key[len(bootstrap_addr) + 1:].split("_")[:3]
+        for info in infos:
+            query = (f"prefill_dp_rank={dp}&prefill_cp_rank={cp}&target_tp_rank={tp}"
+                     f"&target_pp_rank={info.get('pp_rank', 0)}")
+            found.append((query, info))
+    return found
+
+
+def prefill_restarted(bootstrap_addr: str, cached: List[Tuple[str, dict]]) -> bool:
+    """True if the bootstrap server places a cached rank at another endpoint now. An
+    answer that is not a rank (the restarted server's ranks not registered yet, or any
+    error) says nothing: the next heartbeat asks again."""
+    for query, info in cached:
+        try:
+            response = requests.get(f"http://{bootstrap_addr}/route?{query}", timeout=ROUTE_TIMEOUT_S)
+            now = response.json() if response.status_code == 200 else None
+        except (requests.RequestException, ValueError):
+            continue
+        if not isinstance(now, dict) or "rank_port" not in now:
+            continue
+        if (str(now.get("rank_ip")), str(now["rank_port"])) != (str(info.get("rank_ip")),
+                                                               str(info.get("rank_port"))):
+            log.warning("prefill server %s restarted: its rank moved from %s:%s to %s:%s",
+                        bootstrap_addr, info.get("rank_ip"), info.get("rank_port"),
+                        now.get("rank_ip"), now["rank_port"])
+            return True
+    return False
