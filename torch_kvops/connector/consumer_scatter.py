@@ -121,7 +121,7 @@ class ConsumerScatter:
         session.hold()
         try:
             self._scatters.submit(copy, lambda error: self._scattered(session, slot, targets, error))
-        except BaseException as exc:  # no worker could start: nothing runs, nothing waits
+        except RuntimeError as exc:  # no worker thread could start: nothing runs, nothing waits
             self._scattered(session, slot, targets, exc)
 
     def _live_owners_locked(self, session: Session, blocks: List[int]) -> "Optional[Dict[str, _Incoming]]":

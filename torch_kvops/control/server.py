@@ -129,7 +129,8 @@ class ControlServer:
                         self._accept()
                         continue
                     if key.data == "wake":
-                        continue  # run below
+                        self._calls.take_wakes()  # what was posted runs below
+                        continue
                     if events & selectors.EVENT_WRITE:
                         self._flush(key.fileobj)
                     if events & selectors.EVENT_READ and key.fileobj in self._sessions:
@@ -370,26 +371,39 @@ class _Calls:
         self._post_end, self.wakes = socket.socketpair()
         for end in (self._post_end, self.wakes):
             end.setblocking(False)
+        self._lock = threading.Lock()  # post against close
+        self._closed = False
 
     def post(self, fn: Callable[[], None]) -> None:
-        self._queue.append(fn)
-        try:
-            self._post_end.send(b"w")
-        except OSError:  # full (a wake is pending already), or closed (nothing runs any more)
-            pass
+        """Any thread. After close nothing runs any more: ``fn`` is dropped by design
+        (a scatter worker that finishes after the server stopped)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._queue.append(fn)
+            try:
+                self._post_end.send(b"w")
+            except BlockingIOError:  # the pair's buffer is full: wakes are pending already
+                pass
 
-    def run(self) -> None:
-        """Server thread: take the wakes, run what was posted."""
+    def take_wakes(self) -> None:
+        """Server thread, when ``wakes`` is readable: empty it (a non-blocking socket
+        says it is empty by raising BlockingIOError)."""
         try:
             while self.wakes.recv(4096):
                 pass
-        except (BlockingIOError, InterruptedError):
-            pass
+        except BlockingIOError:
+            return
+
+    def run(self) -> None:
+        """Server thread: run what was posted."""
         while self._queue:
             self._queue.popleft()()
 
     def close(self) -> None:
-        self._queue.clear()
-        self._post_end.close()
-        self.wakes.close()
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+            self._post_end.close()
+            self.wakes.close()
 
