@@ -22,6 +22,7 @@ test's ``vllm_sabotage.Switch`` writes it), in the prefill server:
   as the prefill server digested them, whatever they hold (the check switched off).
 - ``unchecked`` (in the decode server): a room is expected without its pages, so a
   begin naming other pages is not refused (the check of the destination switched off).
+- ``unsigned_aborts`` (in the decode server): SGLang's abort notice goes out unsigned.
 """
 import os
 import time
@@ -42,6 +43,16 @@ def serving_env(directory: str) -> dict:
 
 
 def install() -> None:
+    from torch_kvops.integrations.sglang.signing import SignedAborts
+
+    signed_send = SignedAborts.send_multipart
+
+    def sabotaged_send(self, frames, *args, **kwargs):
+        if "unsigned_aborts" in modes():
+            return self._sock.send_multipart(frames, *args, **kwargs)
+        return signed_send(self, frames, *args, **kwargs)
+
+    SignedAborts.send_multipart = sabotaged_send
     from torch_kvops.connector import LayerwiseConnector
     from torch_kvops.connector.peer import PeerLink
     from torch_kvops.connector.verifier import Verifier
