@@ -80,17 +80,17 @@ class Fleet:
 
 
 @contextlib.contextmanager
-def workspace(prefix: str) -> Iterator[Tuple[str, str, str, Switch]]:
-    """(a temporary folder, the serving model in it, a log folder, the sabotage
-    switch) for a fleet's test; the folder and the switch go at the end, the logs stay
-    for a failure's reader (the harness prints their folder). Engines started inside
-    inherit the switch's file name."""
+def workspace(prefix: str, **model) -> Iterator[Tuple[str, str, str, Switch]]:
+    """(a temporary folder, the serving model in it (``model``: keyword arguments of
+    ``write_serving_model``), a log folder, the sabotage switch) for a fleet's test; the
+    folder and the switch go at the end, the logs stay for a failure's reader (the
+    harness prints their folder). Engines started inside inherit the switch's file name."""
     tmp = tempfile.TemporaryDirectory(prefix=f"{prefix}-")
-    model = os.path.join(tmp.name, "model")
-    write_serving_model(model)
+    model_dir = os.path.join(tmp.name, "model")
+    write_serving_model(model_dir, **model)
     sabotage = Switch(tmp.name)
     try:
-        yield tmp.name, model, tempfile.mkdtemp(prefix=f"{prefix}-logs-"), sabotage
+        yield tmp.name, model_dir, tempfile.mkdtemp(prefix=f"{prefix}-logs-"), sabotage
     finally:
         sabotage.close()
         tmp.cleanup()

@@ -34,10 +34,16 @@ SHORT_LEASE_S = 5.0
 STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_standin")
 
 
-def serving_env(directory: str) -> dict:
+def serving_env(directory: str, *standins: str) -> dict:
     """Environment of an SGLang server: this module as a plugin, and the test-only
-    stand-in for sgl_kernel's CPU kernels (tests/sglang_standin) on PYTHONPATH."""
+    stand-in for sgl_kernel's CPU kernels (tests/sglang_standin) on PYTHONPATH.
+    ``standins``: more modules of tests/sglang_standin loaded as plugins
+    (``cpu_mla_dispatch``, ``cpu_tp_groups``: their docstrings say why)."""
     env = plugin_env(directory, "sglang.srt.plugins", "sglang_sabotage:install")
+    from torch_kvops.serving.fronts import write_entry_point  # the test's process only
+
+    for module in standins:
+        write_entry_point(directory, f"kvops-test-{module}", "sglang.srt.plugins", f"{module}:install")
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], STANDIN])
     return env
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import random
 import subprocess
 import time
 import urllib.error
@@ -35,24 +34,15 @@ from typing import Dict, List, Tuple
 import pytest
 
 from torch_kvops.serving import prometheus
-from torch_kvops.serving.model import random_prompt
 from torch_kvops.serving.servers import Servers
 from torch_kvops.serving.sglang import SglangRouterSpec, SglangServerSpec, sglang_python
 
 from serving_fleet import workspace
-from sglang_sabotage import serving_env
+from sglang_fleet import (PAGE_SIZE, ROUTER_CHECKS, answers, count,
+                          fleet_env, key_file, pages_come_back, random_prompts, router_ready,
+                          router_serves_again)
 
-MAX_TOKENS = 16
-PAGE_SIZE = 16  # tokens per page (SGLang's default is 1)
 CHUNK = 256  # P1's --chunked-prefill-size; prompts are 50-800 tokens
-# D's lease: a room that waits in a prefill queue longer outlives the wait only by the
-# prefill servers' notices of the rooms they owe (every OWED_NOTICE_S). It is also P's
-# write lease, so P must never stall that long between two layers: 6 s was too short
-# on 2 cores while a restarted D warmed up beside four servers (a CI run's log). The
-# renewal tests shorten the lease of new rooms on D (sglang_sabotage's short_lease)
-LEASE_S = 20.0
-OWED_NOTICE_S = 1.0
-SETTLE_S = 180.0  # a fault's pages come back within: lease + fence + SGLang's timeouts
 
 
 # the plugin's own tests first: they need no fleet (and run before it starts)
@@ -94,51 +84,31 @@ def test_a_changed_sglang_internal_fails_loudly_at_start_up():
 
 
 def test_what_the_backend_does_not_move_yet_is_refused_at_start_up():
-    """An MLA model (one latent buffer per layer) or tensor parallelism: a clear error
-    when the manager starts, never a transfer that moves the wrong buffers."""
+    """Tensor parallelism or a model's state pools: a clear error when the manager
+    starts, never a transfer that moves the wrong buffers (an MLA model starts:
+    tests/test_sglang_mla.py)."""
     done = _in_sglang(
         "from types import SimpleNamespace as NS\n"
         "from torch_kvops.integrations.sglang.manager import check_supported\n"
-        "check_supported(NS(), NS(device='cpu', tp_size=1), False)\n"
-        "for args, server, mla in ((NS(), NS(device='cpu', tp_size=1), True),\n"
-        "                          (NS(), NS(device='cpu', tp_size=2), False)):\n"
+        "check_supported(NS(), NS(device='cpu', tp_size=1))\n"
+        "for args, server in ((NS(state_types=['mamba']), NS(device='cpu', tp_size=1)),\n"
+        "                     (NS(), NS(device='cpu', tp_size=2))):\n"
         "    try:\n"
-        "        check_supported(args, server, mla)\n"
+        "        check_supported(args, server)\n"
         "    except NotImplementedError as exc:\n"
         "        print(exc)\n")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == [
-        "the kvops SGLang backend does not support MLA models (latent KV pools, DeepSeek) yet",
+        "the kvops SGLang backend does not support state pools ['mamba'] yet",
         "the kvops SGLang backend does not support tensor parallelism yet"], done.stdout
-
-
-def _key_file(tmp: str, name: str) -> str:
-    path = os.path.join(tmp, name)
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-        f.write(os.urandom(32).hex())
-    return path
 
 
 @pytest.fixture(scope="module")
 def fleet():
     with workspace("kvops-sglang") as (tmp, model, log_dir, sabotage):
-        # SGLang's own waits for a peer that never comes (300 s each by default): a
-        # prefill server whose decode server died gives its rooms up after 60 s
-        env = dict(serving_env(os.path.join(tmp, "plugin")),
-                   SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="60",
-                   SGLANG_DISAGGREGATION_WAITING_TIMEOUT="120",
-                   # D never gives a prefill server up for missed heartbeats: a restarted
-                   # one is found only by its moved ranks (prefill_restarts.py), as one
-                   # restarted between two heartbeats must be
-                   SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="1000",
-                   KVOPS_FLEET_KEY_FILE=_key_file(tmp, "fleet.key"),
-                   KVOPS_SGLANG_CONFIG=json.dumps({"owed_notice_s": OWED_NOTICE_S, "connector": {
-                       "lease_s": LEASE_S, "integrity_check": "mac"}}))
+        env = fleet_env(tmp)
         same = dict(env=env, page_size=PAGE_SIZE)
-        # health checks every 5 s, an open circuit retried after 10 s (60 s each by
-        # default): a restarted server is back in the rotation within seconds (each
-        # check may take SglangRouterSpec's health_check_timeout_s)
-        checks = ["--health-check-interval-secs", "5", "--cb-timeout-duration-secs", "10"]
+        checks = ROUTER_CHECKS
         with Servers(log_dir) as servers:
             p1 = servers.add(SglangServerSpec("P1", model, role="prefill",
                                               extra_args=["--chunked-prefill-size", str(CHUNK)], **same))
@@ -150,7 +120,7 @@ def fleet():
             # 20 s for a destination that never comes), behind a router of its own that
             # tries each request once (its rooms fail at D's lease; a retry waits again)
             p3 = servers.add(SglangServerSpec("P3", model, role="prefill", page_size=PAGE_SIZE, env=dict(
-                env, KVOPS_FLEET_KEY_FILE=_key_file(tmp, "another.key"),
+                env, KVOPS_FLEET_KEY_FILE=key_file(tmp, "another.key"),
                 SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="20")))
             servers.add(SglangRouterSpec("foreign", [p3], [d], extra_args=checks + ["--disable-retries"]))
             servers.start(["P1", "P2", "D", "ref"], 600)
@@ -158,38 +128,6 @@ def fleet():
             yield servers, model, sabotage
             problems = servers.stop_all()
             assert not problems, problems
-
-
-def _complete(url: str, model: str, prompt: str, timeout: float = 300.0) -> str:
-    """The answer's text, or what went wrong in <...> (which differs from any answer)."""
-    # ignore_eos: the test model may sample its end token early (seen once: 2 tokens)
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True}
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            answer = json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return f"<HTTP {exc.code}: {exc.read()[:300]!r}>"
-    except OSError as exc:  # refused, reset, or this client gave up (timeout)
-        return f"<no answer: {exc!r}>"
-    choice = answer["choices"][0]
-    if choice["finish_reason"] != "length":
-        return f"<finished by {choice['finish_reason']!r}: {answer}>"
-    return choice["text"]
-
-
-def _answers(url: str, model: str, prompts: List[str], timeout: float = 300.0) -> List[str]:
-    if not prompts:
-        return []
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda p: _complete(url, model, p, timeout), prompts))
-
-
-def _prompts(seed: int, n: int) -> List[str]:
-    rng = random.Random(seed)
-    return [random_prompt(rng.randint(50, 800), 1024, rng) for _ in range(n)]
 
 
 _reference: Dict[str, str] = {}
@@ -204,19 +142,15 @@ def _compare(fleet, seed: int, n: int = 8) -> List[int]:
 def _compare_answers(fleet, seed: int, n: int = 8) -> Tuple[List[int], List[str]]:
     """(indices of the answers that differ from the monolithic server's, the answers)."""
     servers, model, _ = fleet
-    prompts = _prompts(seed, n)
+    prompts = random_prompts(seed, n)
     missing = [p for p in prompts if p not in _reference]
-    _reference.update(zip(missing, _answers(servers["ref"].url, model, missing)))
+    _reference.update(zip(missing, answers(servers["ref"].url, model, missing)))
     assert not [a for a in _reference.values() if a.startswith("<")], _reference
-    got = _answers(servers["router"].url, model, prompts)
+    got = answers(servers["router"].url, model, prompts)
     differ = [i for i, (p, a) in enumerate(zip(prompts, got)) if a != _reference[p]]
     print(f"\n[sglang] seed {seed}: {len(differ)} of {n} answers differ: "
           + "; ".join(got[i][:120] for i in differ[:3]))
     return differ, got
-
-
-def _count(samples, name: str, **labels) -> float:
-    return prometheus.total(samples, f"kvops_sglang_{name}_total", **labels)
 
 
 def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_layer_by_layer(fleet):
@@ -225,24 +159,24 @@ def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_layer_by_
     assert _compare(fleet, seed=2, n=16) == []  # the pages of the first load are reused
     p1, p2, d = (prometheus.fetch(servers[name].url) for name in ("P1", "P2", "D"))
     # the router spread the rooms over both prefill servers; each reached D whole
-    rooms = [_count(p, "rooms", label="success") for p in (p1, p2)]
+    rooms = [count(p, "rooms", label="success") for p in (p1, p2)]
     assert min(rooms) >= 8 and sum(rooms) >= 32, rooms
-    assert _count(d, "rooms", label="success") >= 32
+    assert count(d, "rooms", label="success") >= 32
     # D computed no prompt token: SGLang's own prefill counter on D stays at 0 (P's counts)
     prefilled = [prometheus.total(s, "sglang:prefill_effective_tokens_total", mode="input")
                  for s in (p1, p2, d)]
     assert prefilled[2] == 0 and min(prefilled[:2]) > 0, prefilled
-    assert not any(_count(s, "rooms", label="failed") for s in (p1, p2, d))
+    assert not any(count(s, "rooms", label="failed") for s in (p1, p2, d))
     # rooms waited in the prefill queues; their leases were renewed while they did
-    assert _count(d, "lease_renewals") > 0
+    assert count(d, "lease_renewals") > 0
     # every chunk left in its forward, layer by layer (SGLang starts a prefill once its
     # destination is known); none waited for the forward's end
     for p in (p1, p2):
-        assert _count(p, "chunks", label="after_forward") == 0
+        assert count(p, "chunks", label="after_forward") == 0
     # P1's rooms left in more chunks than rooms (prefill chunked by 256 tokens)
-    assert _count(p1, "chunks", label="forward") > rooms[0] + 8
-    layers = sum(_count(p, "layers") for p in (p1, p2))
-    early = sum(_count(p, "layers_landed_during_forward") for p in (p1, p2))
+    assert count(p1, "chunks", label="forward") > rooms[0] + 8
+    layers = sum(count(p, "layers") for p in (p1, p2))
+    early = sum(count(p, "layers_landed_during_forward") for p in (p1, p2))
     print(f"\n[sglang] {early:.0f} of {layers:.0f} pushed layers landed before their forward ended")
     assert layers > 0 and early > 0
 
@@ -307,23 +241,23 @@ def test_d_fails_every_room_whose_kv_is_misplaced_or_did_not_arrive(fleet, mode)
     the rooms whose pages differ from what P digested (every layer, or one). No answer
     is wrong, every page comes back, and the fleet answers right again."""
     servers, model, sabotage = fleet
-    prompts = _prompts(seed={"misplace": 16, "drop": 13, "drop_layer": 14}[mode], n=8)
-    _reference.update(zip(prompts, _answers(servers["ref"].url, model, prompts)))
-    before = _count(servers["D"].metrics(), CAUGHT_BY[mode])
+    prompts = random_prompts(seed={"misplace": 16, "drop": 13, "drop_layer": 14}[mode], n=8)
+    _reference.update(zip(prompts, answers(servers["ref"].url, model, prompts)))
+    before = count(servers["D"].metrics(), CAUGHT_BY[mode])
     sabotage.set(mode)
     try:
-        got = _answers(servers["router"].url, model, prompts)
+        got = answers(servers["router"].url, model, prompts)
     finally:
         sabotage.set()
-    caught = _count(servers["D"].metrics(), CAUGHT_BY[mode]) - before
+    caught = count(servers["D"].metrics(), CAUGHT_BY[mode]) - before
     wrong = [a for p, a in zip(prompts, got) if not a.startswith("<") and a != _reference[p]]
     print(f"\n[sglang] checked, {mode}: {caught:.0f} rooms failed D's check (the router retries "
           f"a failed room as a new one); {len([a for a in got if a.startswith('<')])} of 8 "
           f"requests failed, {len(wrong)} wrong")
     assert not wrong, wrong
     assert caught >= 8, f"{mode}: D's check failed only {caught:.0f} rooms"
-    _pages_come_back(servers, ["P1", "P2", "D"])
-    _router_serves_again(servers, model)  # D's failures opened the router's circuit for it
+    pages_come_back(servers, ["P1", "P2", "D"])
+    router_serves_again(servers, model)  # D's failures opened the router's circuit for it
     assert _compare(fleet, seed=4, n=4) == []
 
 
@@ -336,16 +270,16 @@ def test_a_prefill_server_with_another_fleet_key_moves_nothing(fleet):
     servers.start(["P3"])
     servers.start(["foreign"])
     try:
-        _router_ready(servers["foreign"])
-        prompts = _prompts(seed=15, n=2)
-        got = _answers(servers["foreign"].url, model, prompts)
-        refused = _count(servers["P3"].metrics(), "refused_messages")
+        router_ready(servers["foreign"])
+        prompts = random_prompts(seed=15, n=2)
+        got = answers(servers["foreign"].url, model, prompts)
+        refused = count(servers["P3"].metrics(), "refused_messages")
         print(f"\n[sglang] another key: {refused:.0f} messages of D refused at P3; answers "
               f"{[a[:160] for a in got]}")
         assert all(a.startswith("<") for a in got), got
         assert refused >= 2, "P3 took D's messages"  # a registration and a room's destination
-        assert _count(servers["P3"].metrics(), "rooms", label="success") == 0
-        _pages_come_back(servers, ["P3", "D"])
+        assert count(servers["P3"].metrics(), "rooms", label="success") == 0
+        pages_come_back(servers, ["P3", "D"])
     finally:  # its health checks would load the machine for the rest of the module
         servers["foreign"].stop()
         servers["P3"].stop()
@@ -361,18 +295,18 @@ def test_owed_notices_keep_rooms_of_a_long_prefill_queue_alive(fleet, renewals):
     Negative control (``no_renewal``: D drops the notices): rooms fail there, and no
     answer is wrong."""
     servers, model, sabotage = fleet
-    prompts = _prompts(seed={"owed_notices": 9, "no_renewal": 8}[renewals], n=12)
-    _reference.update(zip(prompts, _answers(servers["ref"].url, model, prompts)))
-    failed_before = _count(servers["D"].metrics(), "rooms", label="failed")
-    renewed_before = _count(servers["D"].metrics(), "lease_renewals")
+    prompts = random_prompts(seed={"owed_notices": 9, "no_renewal": 8}[renewals], n=12)
+    _reference.update(zip(prompts, answers(servers["ref"].url, model, prompts)))
+    failed_before = count(servers["D"].metrics(), "rooms", label="failed")
+    renewed_before = count(servers["D"].metrics(), "lease_renewals")
     sabotage.set("short_lease", "slow_prefill", "no_renewal" if renewals == "no_renewal" else "")
     try:
-        got = _answers(servers["router"].url, model, prompts)
+        got = answers(servers["router"].url, model, prompts)
     finally:
         sabotage.set()
     d = servers["D"].metrics()
-    failed = _count(d, "rooms", label="failed") - failed_before
-    renewed = _count(d, "lease_renewals") - renewed_before
+    failed = count(d, "rooms", label="failed") - failed_before
+    renewed = count(d, "lease_renewals") - renewed_before
     print(f"\n[sglang] {renewals}: {failed:.0f} rooms failed on D (12 requests; the router "
           f"retries a failed room as a new one), {renewed:.0f} leases renewed; "
           f"{len([a for a in got if a.startswith('<')])} requests failed")
@@ -382,59 +316,18 @@ def test_owed_notices_keep_rooms_of_a_long_prefill_queue_alive(fleet, renewals):
     else:
         assert renewed == 0
         assert failed >= 1, "every room reached D within its lease: the control shows nothing"
-    _pages_come_back(servers, ["P1", "P2", "D"])
-    _router_serves_again(servers, model)  # failed rooms may have opened the router's circuit for D
+    pages_come_back(servers, ["P1", "P2", "D"])
+    router_serves_again(servers, model)  # failed rooms may have opened the router's circuit for D
     assert _compare(fleet, seed=4, n=4) == []  # and the fleet is whole again
-
-
-def _used_tokens(servers, names) -> Dict[str, float]:
-    return {n: prometheus.total(servers[n].metrics(), "sglang:kv_used_tokens") for n in names}
-
-
-def _pages_come_back(servers, names: List[str]) -> float:
-    """Seconds until no server of ``names`` holds a KV page of a request."""
-    start = time.monotonic()
-    while True:
-        used = _used_tokens(servers, names)
-        if not any(used.values()):
-            return time.monotonic() - start
-        if time.monotonic() - start > SETTLE_S:
-            raise AssertionError(f"KV pages still held {SETTLE_S:.0f} s after the fault: {used}")
-        time.sleep(1.0)
 
 
 def _when_pushing(server, timeout: float = 120.0) -> None:
     """Return once the prefill ``server`` pushed a chunk more than when called."""
-    base, deadline = _count(server.metrics(), "chunks"), time.monotonic() + timeout
-    while _count(server.metrics(), "chunks") == base:
+    base, deadline = count(server.metrics(), "chunks"), time.monotonic() + timeout
+    while count(server.metrics(), "chunks") == base:
         if time.monotonic() > deadline:
             raise AssertionError(f"{server.name} pushed nothing in {timeout:.0f} s")
         time.sleep(0.05)
-
-
-def _router_ready(router, timeout: float = 60.0) -> None:
-    """Wait until sglang-router's /readiness answers 200: it has healthy prefill and
-    decode workers (its /health answers as soon as it listens, with none)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(f"{router.url}/readiness", timeout=5.0):
-                return
-        except OSError as exc:  # HTTPError (503: no workers yet) or not listening
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{router.name} not ready within {timeout:.0f} s: {exc}")
-        time.sleep(0.5)
-
-
-def _router_serves_again(servers, model: str, timeout: float = 120.0) -> None:
-    """Wait until the router has a server of each role in its rotation again (its
-    health checks passed: until then it answers 503)."""
-    deadline = time.monotonic() + timeout
-    while (answer := _complete(servers["router"].url, model, "a b c", 60.0)).startswith("<HTTP 503"):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the router still refuses requests {timeout:.0f} s after the "
-                                 f"restart: {answer[:300]}")
-        time.sleep(2.0)
 
 
 @pytest.mark.parametrize("notice", ["signed", "unsigned"])
@@ -447,16 +340,16 @@ def test_a_request_aborted_on_d_stops_its_prefill_by_a_signed_notice(fleet, noti
     (``unsigned``: D sends the notice unsigned): the prefill servers refuse it and never
     hear of the abort; no answer is wrong either way."""
     servers, model, sabotage = fleet
-    _router_serves_again(servers, model)
+    router_serves_again(servers, model)
     names = ("P1", "P2", "D")
-    aborts_before = sum(_count(servers[n].metrics(), "abort_notices") for n in ("P1", "P2"))
-    refused_before = {n: _count(servers[n].metrics(), "refused_messages") for n in names}
+    aborts_before = sum(count(servers[n].metrics(), "abort_notices") for n in ("P1", "P2"))
+    refused_before = {n: count(servers[n].metrics(), "refused_messages") for n in names}
     sabotage.set("slow_prefill", "unsigned_aborts" if notice == "unsigned" else "")
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            prompts = _prompts(seed=12, n=2)
-            _reference.update(zip(prompts, _answers(servers["ref"].url, model, prompts)))
-            load = pool.submit(_answers, servers["router"].url, model, prompts, 120.0)
+            prompts = random_prompts(seed=12, n=2)
+            _reference.update(zip(prompts, answers(servers["ref"].url, model, prompts)))
+            load = pool.submit(answers, servers["router"].url, model, prompts, 120.0)
             time.sleep(1.0)  # D holds both rooms, their prefills wait
             abort = urllib.request.Request(f"{servers['D'].url}/abort_request", method="POST",
                                            data=json.dumps({"abort_all": True}).encode(),
@@ -466,9 +359,9 @@ def test_a_request_aborted_on_d_stops_its_prefill_by_a_signed_notice(fleet, noti
             got = load.result()
     finally:
         sabotage.set()
-    settled_s = _pages_come_back(servers, list(names))
-    aborts = sum(_count(servers[n].metrics(), "abort_notices") for n in ("P1", "P2")) - aborts_before
-    refused = {n: _count(servers[n].metrics(), "refused_messages") - refused_before[n] for n in names}
+    settled_s = pages_come_back(servers, list(names))
+    aborts = sum(count(servers[n].metrics(), "abort_notices") for n in ("P1", "P2")) - aborts_before
+    refused = {n: count(servers[n].metrics(), "refused_messages") - refused_before[n] for n in names}
     print(f"\n[sglang] aborted on D, notice {notice}: answers {[a[:80] for a in got]}; abort notices "
           f"taken by the prefill servers {aborts:.0f}; messages refused {refused}; pages back "
           f"{settled_s:.0f} s after")
@@ -478,7 +371,7 @@ def test_a_request_aborted_on_d_stops_its_prefill_by_a_signed_notice(fleet, noti
         assert aborts >= 1 and not any(refused.values()), (aborts, refused)
     # each right or an error (sglang-router may retry an aborted request as a new room)
     assert all(a.startswith("<") or a == _reference[p] for p, a in zip(prompts, got)), got
-    _router_serves_again(servers, model)
+    router_serves_again(servers, model)
     assert _compare(fleet, seed=4, n=4) == []
 
 
@@ -492,15 +385,15 @@ def test_a_fault_fails_only_its_own_requests_and_every_page_comes_back(fleet, fa
     right or an error), every page on the servers left comes back to SGLang, and the
     fleet answers right again (the killed server restarted on its ports)."""
     servers, model, _ = fleet
-    _router_serves_again(servers, model)  # (a fresh fleet's router may hold requests at first)
+    router_serves_again(servers, model)  # (a fresh fleet's router may hold requests at first)
     victim = FAULTS[fault]
-    prompts = _prompts(seed=10 + list(FAULTS).index(fault), n=8)
+    prompts = random_prompts(seed=10 + list(FAULTS).index(fault), n=8)
     missing = [p for p in prompts if p not in _reference]
-    _reference.update(zip(missing, _answers(servers["ref"].url, model, missing)))
-    rooms_failed = {n: _count(servers[n].metrics(), "rooms", label="failed") for n in ("P1", "P2", "D")}
-    refused_before = {n: _count(servers[n].metrics(), "refused_messages") for n in ("P1", "P2", "D")}
+    _reference.update(zip(missing, answers(servers["ref"].url, model, missing)))
+    rooms_failed = {n: count(servers[n].metrics(), "rooms", label="failed") for n in ("P1", "P2", "D")}
+    refused_before = {n: count(servers[n].metrics(), "refused_messages") for n in ("P1", "P2", "D")}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        load = pool.submit(_answers, servers["router"].url, model, prompts,
+        load = pool.submit(answers, servers["router"].url, model, prompts,
                            1.0 if victim is None else 240.0)
         if victim is not None:
             _when_pushing(servers["P1"])
@@ -509,11 +402,11 @@ def test_a_fault_fails_only_its_own_requests_and_every_page_comes_back(fleet, fa
     failed = [i for i, a in enumerate(got) if a.startswith("<")]
     wrong = [i for i, (p, a) in enumerate(zip(prompts, got)) if i not in failed and a != _reference[p]]
     left = [n for n in ("P1", "P2", "D") if n != victim]
-    settled_s = _pages_come_back(servers, left)
+    settled_s = pages_come_back(servers, left)
     # the rooms the fault failed on the servers left (sglang-router retries a request
     # whose transfer failed, so its client may never see the fault)
-    hit = {n: _count(servers[n].metrics(), "rooms", label="failed") - rooms_failed[n] for n in left}
-    refused = {n: _count(servers[n].metrics(), "refused_messages") - refused_before[n] for n in left}
+    hit = {n: count(servers[n].metrics(), "rooms", label="failed") - rooms_failed[n] for n in left}
+    refused = {n: count(servers[n].metrics(), "refused_messages") - refused_before[n] for n in left}
     print(f"\n[sglang] {fault}: {len(failed)} of 8 requests failed, {len(wrong)} wrong; rooms failed "
           f"{hit}; pages of {left} back {settled_s:.0f} s after the load; messages refused "
           f"{refused}; first error: {[got[i][:160] for i in failed[:1]]}")
@@ -522,7 +415,7 @@ def test_a_fault_fails_only_its_own_requests_and_every_page_comes_back(fleet, fa
     assert failed or any(hit.values()), "the fault hit no request: nothing was shown"
     if victim is not None:
         servers.restart(victim, 600)
-        _router_serves_again(servers, model)
+        router_serves_again(servers, model)
     # the fleet is whole again; a restarted prefill server is back in the router's
     # rotation (its health checks pass) and pushes its share of rooms
     # new prompts each time (a seen prefix is routed where it went before), for up to
@@ -530,7 +423,7 @@ def test_a_fault_fails_only_its_own_requests_and_every_page_comes_back(fleet, fa
     deadline = time.monotonic() + 90.0
     for attempt in range(100):
         assert _compare(fleet, seed=40 + attempt, n=4) == []
-        served = _count(servers["P1"].metrics(), "rooms", label="success")
+        served = count(servers["P1"].metrics(), "rooms", label="success")
         if victim != "P1" or served or time.monotonic() > deadline:
             break
         time.sleep(3.0)

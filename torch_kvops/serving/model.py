@@ -1,5 +1,6 @@
 """A test model directory that real clients can talk to: the context-sensitive Llama of
-:mod:`torch_kvops.testing.hf_model` plus a word-level tokenizer.
+:mod:`torch_kvops.testing.hf_model` (or the MLA model of
+:mod:`torch_kvops.testing.mla_model`) plus a word-level tokenizer.
 
 The tokenizer (``tokenizer.json``, Hugging Face ``tokenizers`` WordLevel model) maps each
 whitespace-separated word to one token id: the model's vocabulary is ``<pad> <s> </s>
@@ -16,6 +17,7 @@ import random
 from typing import List
 
 from ..testing.hf_model import write_context_model
+from ..testing.mla_model import write_mla_model
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0-3; config.json: bos 1, eos 2
 ROLES = ["system", "user", "assistant"]
@@ -44,11 +46,13 @@ def tokenizer_json(size: int) -> dict:
     return json.loads(tok.to_str())
 
 
-def write_serving_model(directory: str, *, seed: int = 0, **config_kwargs) -> dict:
-    """Write the test Llama (weights, config.json) and its tokenizer into ``directory``
-    (keyword arguments as :func:`torch_kvops.testing.hf_model.context_model_config`);
-    returns the model config."""
-    config = write_context_model(directory, seed=seed, **config_kwargs)
+def write_serving_model(directory: str, *, seed: int = 0, mla: bool = False, **config_kwargs) -> dict:
+    """Write the test Llama (weights, config.json), or with ``mla`` the test
+    DeepSeek-V2-style MLA model, and its tokenizer into ``directory`` (keyword arguments
+    as :func:`torch_kvops.testing.hf_model.context_model_config` or
+    :func:`torch_kvops.testing.mla_model.mla_model_config`); returns the model config."""
+    write = write_mla_model if mla else write_context_model
+    config = write(directory, seed=seed, **config_kwargs)
     with open(os.path.join(directory, "tokenizer.json"), "w") as f:
         json.dump(tokenizer_json(config["vocab_size"]), f)
     tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",

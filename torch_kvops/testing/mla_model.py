@@ -15,7 +15,7 @@ real engine.
 from __future__ import annotations
 
 import math
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -34,9 +34,18 @@ KV_B_STD = 0.05
 LM_HEAD_GAIN = 4.0
 
 
+# SGLang's CPU rope for DeepSeek models takes only its yarn scaling; at factor 1 and
+# mscale 1, yarn is the plain rope (same frequencies, no attention scaling), so the
+# model computes what it computes without it
+PLAIN_YARN = {"type": "yarn", "factor": 1.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+              "mscale_all_dim": 1.0}
+
+
 def mla_model_config(*, layers: int = 4, hidden: int = 256, heads: int = 4, qk_nope_head_dim: int = 32,
-                     v_head_dim: int = 32, vocab: int = 1024, max_len: int = 4096) -> dict:
-    """config.json of the test DeepSeek-V2-style model (MLA, no MoE layer)."""
+                     v_head_dim: int = 32, vocab: int = 1024, max_len: int = 4096,
+                     rope_scaling: Optional[dict] = None) -> dict:
+    """config.json of the test DeepSeek-V2-style model (MLA, no MoE layer);
+    ``rope_scaling``: e.g. :data:`PLAIN_YARN` for SGLang on CPU."""
     return {
         "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
         "hidden_size": hidden, "intermediate_size": hidden * 2, "moe_intermediate_size": hidden,
@@ -49,7 +58,8 @@ def mla_model_config(*, layers: int = 4, hidden: int = 256, heads: int = 4, qk_n
         "first_k_dense_replace": layers, "moe_layer_freq": 1, "norm_topk_prob": False,
         "routed_scaling_factor": 1.0, "topk_method": "greedy", "scoring_func": "softmax",
         "vocab_size": vocab, "max_position_embeddings": max_len, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False,
+        "rope_theta": 10000.0, "attention_bias": False,
+        "rope_scaling": dict(rope_scaling, original_max_position_embeddings=max_len) if rope_scaling else None,
         "torch_dtype": "float32", "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
         "hidden_act": "silu",
     }

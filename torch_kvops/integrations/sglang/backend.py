@@ -22,9 +22,10 @@ def install() -> None:
     # the layer-wise push (no-ops in a process without a kvops prefill manager)
     from . import layerwise
 
-    for target, hook, kind in ((sgl.BOOTSTRAP_QUEUE_ADD, layerwise.after_bootstrap_add, "AFTER"),
-                               (sgl.MODEL_FORWARD, layerwise.around_forward, "AROUND"),
-                               (sgl.SET_KV_BUFFER, layerwise.after_set_kv_buffer, "AFTER")):
+    hooks = [(sgl.BOOTSTRAP_QUEUE_ADD, layerwise.after_bootstrap_add, "AFTER"),
+             (sgl.MODEL_FORWARD, layerwise.around_forward, "AROUND")]
+    hooks += [(target, layerwise.after_set_kv_buffer, "AFTER") for target in sgl.KV_WRITES]
+    for target, hook, kind in hooks:
         sgl.HookRegistry.register(target, hook, getattr(sgl.HookType, kind))
 
 

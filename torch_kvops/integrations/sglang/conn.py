@@ -7,7 +7,7 @@ from . import internals as sgl
 from .manager import KvopsKVManager
 from .signing import SignedAborts
 
-__all__ = ["KvopsKVBootstrapServer", "KvopsKVManager", "KvopsKVReceiver", "KvopsKVSender"]
+__all__ = ["KvopsKVBootstrapServer", "KvopsKVManager", "KvopsKVReceiver", "KvopsKVSender", "tp_mismatch"]
 
 
 class KvopsKVSender(sgl.CommonKVSender):
@@ -25,10 +25,31 @@ class KvopsKVSender(sgl.CommonKVSender):
         self.kv_mgr.forget(self.bootstrap_room)
 
 
+def tp_mismatch(prefill_tp: int, decode_tp: int, latent: bool) -> str:
+    """Why a room between these attention TP sizes cannot move, or "". A prefill rank
+    pushes its own pages whole: with MHA its rank holds its share of the KV heads, so
+    only equal sizes line up (slicing heads is not built); an MLA rank holds the whole
+    latent, and SGLang's rank mapping names one prefill rank per decode rank."""
+    if latent or prefill_tp == decode_tp:
+        return ""
+    return (f"the kvops backend moves KV between equal attention TP sizes only (MLA: any): "
+            f"prefill attention TP {prefill_tp}, decode {decode_tp}")
+
+
 class KvopsKVReceiver(sgl.CommonKVReceiver):
     """Decode side of one room. Once its destination went out, the room ends only
     with the connector's outcome: SGLang's own waiting timeout and an abort do not
-    hand its pages back while the prefill may still write them."""
+    hand its pages back while the prefill may still write them. A room between
+    attention TP sizes the backend does not move fails at ``init`` (:func:`tp_mismatch`)."""
+
+    def init(self, prefill_dp_rank: int) -> None:
+        super().init(prefill_dp_rank)
+        if self.conclude_state is None:
+            problem = tp_mismatch(self.prefill_info.attn_tp_size, self.kv_mgr.attn_tp_size,
+                                  self.kv_mgr.is_mla_backend)
+            if problem:  # before a destination goes out: nothing is written here
+                self.kv_mgr.fail(self.bootstrap_room, problem)
+                self.conclude_state = sgl.KVPoll.Failed
 
     def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None,
                       *args, **kwargs) -> None:

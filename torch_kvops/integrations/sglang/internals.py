@@ -28,10 +28,16 @@ READ_FROM = "0.5.23"
 BOOTSTRAP_QUEUE_ADD = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add"
 MODEL_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 SET_KV_BUFFER = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer"
+# MLA (DeepSeek): one latent buffer per layer, written by either method
+SET_LATENT_BUFFER = "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool.set_kv_buffer"
+SET_LATENT_PARTS = "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool.set_mla_kv_buffer"
+KV_WRITES = (SET_KV_BUFFER, SET_LATENT_BUFFER, SET_LATENT_PARTS)
 HOOKED: Dict[str, List[str]] = {
     BOOTSTRAP_QUEUE_ADD: ["req", "num_kv_heads"],
     MODEL_FORWARD: ["forward_batch"],
-    SET_KV_BUFFER: ["layer", "loc_info", "cache_k", "cache_v"],
+    SET_KV_BUFFER: ["layer", "loc_info", "cache_k", "cache_v"],  # layer_id_override: keyword
+    SET_LATENT_BUFFER: ["layer", "loc_info", "cache_k", "cache_v", "layer_id_override"],
+    SET_LATENT_PARTS: ["layer", "loc_info", "cache_k_nope", "cache_k_rope", "layer_id_override"],
 }
 # read in the hooks: ForwardBatch fields and the model runner's token table
 FORWARD_BATCH_FIELDS = ("rids", "req_pool_indices", "extend_prefix_lens_cpu",
@@ -41,7 +47,7 @@ __all__ = ["ABORT_TAG", "AbortNotification", "CommonKVBootstrapServer", "CommonK
            "CommonKVReceiver", "CommonKVSender", "DISAGG_TRANSFER_BACKEND_CHOICES",
            "DisaggregationMode", "HookRegistry", "HookType", "KVArgs", "KVClassType", "KVPoll",
            "TransferBackend", "add_disagg_transfer_backend_choices", "check", "READ_FROM",
-           "BOOTSTRAP_QUEUE_ADD", "MODEL_FORWARD", "SET_KV_BUFFER"]
+           "BOOTSTRAP_QUEUE_ADD", "MODEL_FORWARD", "KV_WRITES"]
 
 # method -> the parameters (in order, after self) the backend passes or receives
 SIGNATURES: Dict[str, List[str]] = {
@@ -64,6 +70,7 @@ SIGNATURES: Dict[str, List[str]] = {
     "CommonKVSender.send": ["kv_indices", "state_indices", "num_kv_tokens", "indices_event"],
     "CommonKVSender.abort": [],
     "CommonKVSender.poll": [],
+    "CommonKVReceiver.init": ["prefill_dp_rank"],
     "CommonKVReceiver.send_metadata": ["kv_indices", "aux_index", "state_indices",
                                        "decode_prefix_len", "destination", "device_kv_indices"],
     "CommonKVReceiver.abort": [],
@@ -74,8 +81,10 @@ SIGNATURES: Dict[str, List[str]] = {
 }
 # attributes of a CommonKVManager instance the backend reads
 MANAGER_ATTRIBUTES = ("kv_args", "local_ip", "rank_port", "server_socket", "request_status",
-                      "transfer_infos", "req_to_decode_prefix_len", "attn_tp_size",
+                      "transfer_infos", "req_to_decode_prefix_len", "attn_tp_size", "is_mla_backend",
                       "connection_lock", "addr_to_rooms_tracker", "connection_pool")
+# attributes of a CommonKVReceiver instance the backend reads (after its init)
+RECEIVER_ATTRIBUTES = ("kv_mgr", "bootstrap_room", "conclude_state", "prefill_info")
 # KVPoll values the backend reports
 POLL_STATES = ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")
 

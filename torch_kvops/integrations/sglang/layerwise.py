@@ -10,9 +10,10 @@ do nothing where no ``kvops`` prefill manager runs):
 - around ``ModelRunner.forward``: the chunk of every tracked request in the batch is
   planned (the pages SGLang's ``send_kv_chunk`` will name for it: whole pages, and the
   partial last page only with the last chunk) and one connector step starts;
-- after ``MHATokenToKVPool.set_kv_buffer``: that layer's K and V buffers are pushed
-  (``save_kv_layer``: on CPU the write is done; on a device it records the layer's
-  event on the compute stream, never a stream sync).
+- after ``MHATokenToKVPool.set_kv_buffer`` (MLA: ``MLATokenToKVPool.set_kv_buffer``
+  or ``set_mla_kv_buffer``): that layer's buffers are pushed, K and V (MLA: its one
+  latent buffer) (``save_kv_layer``: on CPU the write is done; on a device it records
+  the layer's event on the compute stream, never a stream sync).
 
 SGLang's ``send()`` for a chunk pushed this way then only sends the metadata row (last
 chunk); a chunk the forward did not push (its destination came later) is pushed then,
@@ -46,8 +47,12 @@ class _Room:
 class LayerwisePrefill:
     """The prefill manager's layer-wise part (one per scheduler process)."""
 
-    def __init__(self, manager: "KvopsKVManager", page_size: int, num_layers: int) -> None:
-        self.manager, self.page_size, self.num_layers = manager, page_size, num_layers
+    def __init__(self, manager: "KvopsKVManager", page_size: int, num_buffers: int,
+                 latent: bool = False) -> None:
+        """``num_buffers``: SGLang's KV buffers, every layer's K then every layer's V,
+        or with ``latent`` (MLA) one buffer per layer."""
+        self.manager, self.page_size, self.num_buffers = manager, page_size, num_buffers
+        self.num_layers = num_buffers if latent else num_buffers // 2
         self._rooms: Dict[str, _Room] = {}  # by SGLang request id
         self._pushed_pages: Dict[int, int] = {}  # room -> pages pushed in forwards
         self._pushed_last: Set[int] = set()  # rooms whose last chunk a forward pushed
@@ -140,7 +145,7 @@ class LayerwisePrefill:
                 return original(runner, forward_batch, *args, **kwargs)
             finally:
                 # a layer the forward did not write (it raised) still ends the step
-                for buffer in range(2 * self.num_layers):
+                for buffer in range(self.num_buffers):
                     if buffer not in self._saved:
                         self.manager.save_buffer(buffer)
                 self._saved = None
@@ -159,11 +164,11 @@ class LayerwisePrefill:
                                 len([t for t in landed if t is not None and t < end]))
 
     def layer_written(self, layer_id: int) -> None:
-        """After ``set_kv_buffer``: push this layer's K and V buffers."""
+        """After ``set_kv_buffer``: push this layer's buffers (K and V, or its latent)."""
         saved = self._saved
         if saved is None:
             return  # no push in this forward (or another thread's call)
-        for buffer in (layer_id, self.num_layers + layer_id):
+        for buffer in range(layer_id, self.num_buffers, self.num_layers):
             if buffer not in saved:
                 saved.add(buffer)
                 self.manager.save_buffer(buffer)

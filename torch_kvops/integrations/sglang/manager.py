@@ -70,19 +70,21 @@ class Destination:
     aux_index: int
 
 
-def check_supported(args, server_args, is_mla_backend: bool) -> None:
+def check_supported(args, server_args) -> None:
     """What this backend does not move yet fails at start-up, not in a transfer."""
     missing = []
-    if is_mla_backend:  # one latent buffer per layer, where the push expects K and V
-        missing.append("MLA models (latent KV pools, DeepSeek)")
     if str(getattr(server_args, "device", "cpu")) != "cpu":
         missing.append(f"device {server_args.device!r} (host KV caches only so far)")
     if getattr(args, "num_draft_entries", 0):
         missing.append("speculative decoding's draft KV")
     if getattr(args, "state_types", None):
         missing.append(f"state pools {args.state_types}")
-    if getattr(server_args, "tp_size", 1) != 1:
-        missing.append("tensor parallelism")
+    # tensor parallelism moves each rank's pages to its peer rank (equal attention TP
+    # on both sides, or MLA: KvopsKVReceiver); other splits of the model are not built
+    for name, what in (("pp_size", "pipeline parallelism"), ("attn_cp_size", "context parallelism"),
+                       ("attn_dp_size", "data-parallel attention")):
+        if getattr(server_args, name, 1) != 1:
+            missing.append(what)
     if missing:
         raise NotImplementedError("the kvops SGLang backend does not support "
                                   + ", ".join(missing) + " yet")
@@ -93,7 +95,7 @@ class KvopsKVManager(sgl.CommonKVManager):
 
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend: bool = False) -> None:
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
-        check_supported(args, server_args, is_mla_backend)
+        check_supported(args, server_args)
         self.settings = KvopsSglangSettings.from_env()
         self.settings.check_exposure(self.local_ip)
         fleet_key = self.settings.fleet_key()
@@ -120,7 +122,8 @@ class KvopsKVManager(sgl.CommonKVManager):
         self.pushes = PushQueue(self)
         self.layerwise = self.rooms = None
         if self.prefill:
-            self.layerwise = LayerwisePrefill(self, args.page_size, len(self.caches) // 2)
+            self.layerwise = LayerwisePrefill(self, args.page_size, len(self.caches),
+                                              latent=is_mla_backend)
             self.layerwise.install()
         else:
             self.rooms = DecodeRooms(args, self._decode_success, self.fail)

@@ -1,0 +1,139 @@
+"""What the SGLang fleet tests share (tests/test_sglang_pd.py, tests/test_sglang_mla.py):
+the fleet's environment (its key, the integrity check, SGLang's timeouts), requests as
+clients send them, the fleet's counters, and waits for a fault to settle."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import random
+import time
+import urllib.error
+import urllib.request
+from typing import Dict, List
+
+from torch_kvops.serving import prometheus
+from torch_kvops.serving.model import random_prompt
+
+from sglang_sabotage import serving_env
+
+MAX_TOKENS = 16
+PAGE_SIZE = 16  # tokens per page (SGLang's default is 1)
+# D's lease: a room that waits in a prefill queue longer outlives the wait only by the
+# prefill servers' notices of the rooms they owe (every OWED_NOTICE_S). It is also P's
+# write lease, so P must never stall that long between two layers: 6 s was too short
+# on 2 cores while a restarted D warmed up beside four servers (a CI run's log). The
+# renewal tests shorten the lease of new rooms on D (sglang_sabotage's short_lease)
+LEASE_S = 20.0
+OWED_NOTICE_S = 1.0
+SETTLE_S = 180.0  # a fault's pages come back within: lease + fence + SGLang's timeouts
+# sglang-router's health checks every 5 s, an open circuit retried after 10 s (60 s
+# each by default): a restarted server is back in the rotation within seconds (each
+# check may take SglangRouterSpec's health_check_timeout_s)
+ROUTER_CHECKS = ["--health-check-interval-secs", "5", "--cb-timeout-duration-secs", "10"]
+
+
+def fleet_env(tmp: str, *standins: str) -> Dict[str, str]:
+    """The environment of every server of a test fleet: the test plugins (``standins``:
+    as ``sglang_sabotage.serving_env``), the fleet key (a file in ``tmp``), D's ``mac``
+    integrity check and lease, and SGLang's waits."""
+    # SGLang's own waits for a peer that never comes (300 s each by default): a
+    # prefill server whose decode server died gives its rooms up after 60 s
+    return dict(serving_env(os.path.join(tmp, "plugin"), *standins),
+                SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="60",
+                SGLANG_DISAGGREGATION_WAITING_TIMEOUT="120",
+                # D never gives a prefill server up for missed heartbeats: a restarted
+                # one is found only by its moved ranks (prefill_restarts.py), as one
+                # restarted between two heartbeats must be
+                SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="1000",
+                KVOPS_FLEET_KEY_FILE=key_file(tmp, "fleet.key"),
+                KVOPS_SGLANG_CONFIG=json.dumps({"owed_notice_s": OWED_NOTICE_S, "connector": {
+                    "lease_s": LEASE_S, "integrity_check": "mac"}}))
+
+
+def key_file(tmp: str, name: str) -> str:
+    path = os.path.join(tmp, name)
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write(os.urandom(32).hex())
+    return path
+
+
+
+def complete(url: str, model: str, prompt: str, timeout: float = 300.0) -> str:
+    """The answer's text, or what went wrong in <...> (which differs from any answer)."""
+    # ignore_eos: the test model may sample its end token early (seen once: 2 tokens)
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            answer = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return f"<HTTP {exc.code}: {exc.read()[:300]!r}>"
+    except OSError as exc:  # refused, reset, or this client gave up (timeout)
+        return f"<no answer: {exc!r}>"
+    choice = answer["choices"][0]
+    if choice["finish_reason"] != "length":
+        return f"<finished by {choice['finish_reason']!r}: {answer}>"
+    return choice["text"]
+
+
+def answers(url: str, model: str, prompts: List[str], timeout: float = 300.0) -> List[str]:
+    if not prompts:
+        return []
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: complete(url, model, p, timeout), prompts))
+
+
+def random_prompts(seed: int, n: int) -> List[str]:
+    rng = random.Random(seed)
+    return [random_prompt(rng.randint(50, 800), 1024, rng) for _ in range(n)]
+
+
+
+def count(samples, name: str, **labels) -> float:
+    return prometheus.total(samples, f"kvops_sglang_{name}_total", **labels)
+
+
+
+def used_tokens(servers, names) -> Dict[str, float]:
+    return {n: prometheus.total(servers[n].metrics(), "sglang:kv_used_tokens") for n in names}
+
+
+def pages_come_back(servers, names: List[str]) -> float:
+    """Seconds until no server of ``names`` holds a KV page of a request."""
+    start = time.monotonic()
+    while True:
+        used = used_tokens(servers, names)
+        if not any(used.values()):
+            return time.monotonic() - start
+        if time.monotonic() - start > SETTLE_S:
+            raise AssertionError(f"KV pages still held {SETTLE_S:.0f} s after the fault: {used}")
+        time.sleep(1.0)
+
+
+
+def router_ready(router, timeout: float = 60.0) -> None:
+    """Wait until sglang-router's /readiness answers 200: it has healthy prefill and
+    decode workers (its /health answers as soon as it listens, with none)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{router.url}/readiness", timeout=5.0):
+                return
+        except OSError as exc:  # HTTPError (503: no workers yet) or not listening
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{router.name} not ready within {timeout:.0f} s: {exc}")
+        time.sleep(0.5)
+
+
+def router_serves_again(servers, model: str, timeout: float = 120.0) -> None:
+    """Wait until the router has a server of each role in its rotation again (its
+    health checks passed: until then it answers 503)."""
+    deadline = time.monotonic() + timeout
+    while (answer := complete(servers["router"].url, model, "a b c", 60.0)).startswith("<HTTP 503"):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the router still refuses requests {timeout:.0f} s after the "
+                                 f"restart: {answer[:300]}")
+        time.sleep(2.0)

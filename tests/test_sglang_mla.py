@@ -1,0 +1,129 @@
+"""SGLang P/D of an MLA model with the ``kvops`` backend: real SGLang 0.5.23 servers
+behind sglang-router (P/D mode), against a monolithic SGLang server, as in
+tests/test_sglang_pd.py, with the test DeepSeek-V2-style model
+(torch_kvops/testing/mla_model.py: MLA attention, 4 layers, a 576-wide latent per
+token). SGLang's MLA pool holds one latent buffer per layer (no K and V): the prefill
+server pushes each layer's latent pages as its forward writes them.
+
+One prefill server (chunks of 256 tokens), one decode server, the fleet key and D's
+``mac`` integrity check. Stand-ins (test-only, labelled in tests/sglang_standin): the
+two CPU kernels of sgl_kernel, and the dispatch of SGLang's absorbed MLA form to its
+``torch_native`` attention (SGLang runs DeepSeek attention on CPU only on AMX), in
+every server alike, the reference included.
+"""
+from __future__ import annotations
+
+import pytest
+
+from torch_kvops.serving import prometheus
+from torch_kvops.serving.servers import Servers
+from torch_kvops.serving.sglang import SglangRouterSpec, SglangServerSpec
+from torch_kvops.testing.mla_model import PLAIN_YARN
+
+from serving_fleet import workspace
+from sglang_fleet import (PAGE_SIZE, ROUTER_CHECKS, answers, count, fleet_env, pages_come_back,
+                          random_prompts, router_serves_again)
+
+CHUNK = 256  # P's --chunked-prefill-size; prompts are 50-800 tokens
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    with workspace("kvops-sglang-mla", mla=True, rope_scaling=PLAIN_YARN) as (tmp, model, log_dir, sabotage):
+        same = dict(env=fleet_env(tmp, "cpu_mla_dispatch"), page_size=PAGE_SIZE)
+        with Servers(log_dir) as servers:
+            p = servers.add(SglangServerSpec("P", model, role="prefill",
+                                             extra_args=["--chunked-prefill-size", str(CHUNK)], **same))
+            d = servers.add(SglangServerSpec("D", model, role="decode", **same))
+            servers.add(SglangServerSpec("ref", model, role="monolithic", **same))
+            servers.add(SglangRouterSpec("router", [p], [d], extra_args=ROUTER_CHECKS))
+            servers.start(["P", "D", "ref"], 600)
+            servers.start(["router"], 600)
+            yield servers, model, sabotage
+            problems = servers.stop_all()
+            assert not problems, problems
+
+
+def _differ(fleet, seed: int, n: int = 8):
+    """(indices of the router's answers that differ from the monolithic server's, the
+    router's answers) for ``n`` prompts sent at once."""
+    servers, model, _ = fleet
+    prompts = random_prompts(seed, n)
+    want = answers(servers["ref"].url, model, prompts)
+    assert not [a for a in want if a.startswith("<")], want
+    got = answers(servers["router"].url, model, prompts)
+    differ = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+    print(f"\n[sglang mla] seed {seed}: {len(differ)} of {n} answers differ: "
+          + "; ".join(got[i][:120] for i in differ[:3]))
+    return differ, got
+
+
+def test_the_mla_model_answers_from_its_context(fleet):
+    """Prompts that share their last words but not what comes before answer
+    differently on the monolithic server: a transfer that moved no KV could not give
+    the reference's answers."""
+    servers, model, _ = fleet
+    tail = " w500 w501 w502"
+    prompts = [p + tail for p in random_prompts(seed=30, n=4)]
+    got = answers(servers["ref"].url, model, prompts)
+    assert not [a for a in got if a.startswith("<")], got
+    assert len(set(got)) == len(got), got
+
+
+def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_each_latent_layer(fleet):
+    servers = fleet[0]
+    assert _differ(fleet, seed=31, n=12)[0] == []
+    p, d = (prometheus.fetch(servers[name].url) for name in ("P", "D"))
+    assert count(p, "rooms", label="success") >= 12 and count(d, "rooms", label="success") >= 12
+    assert not any(count(s, "rooms", label="failed") for s in (p, d))
+    # D computed no prompt token: SGLang's own prefill counter on D stays at 0
+    prefilled = [prometheus.total(s, "sglang:prefill_effective_tokens_total", mode="input") for s in (p, d)]
+    assert prefilled[1] == 0 and prefilled[0] > 0, prefilled
+    # every chunk left in its forward, one latent layer at a time, in more chunks than
+    # rooms (chunked prefill)
+    assert count(p, "chunks", label="after_forward") == 0
+    assert count(p, "chunks", label="forward") > count(p, "rooms", label="success")
+    layers, early = count(p, "layers"), count(p, "layers_landed_during_forward")
+    print(f"\n[sglang mla] {early:.0f} of {layers:.0f} pushed layers landed before their forward ended")
+    assert layers > 0 and early > 0
+
+
+@pytest.mark.parametrize("mode", ["drop", "drop_layer"])
+def test_negative_control_dropped_latents_change_the_answers(fleet, mode):
+    """P's transport moves no byte (``drop``), or none of layer 1's latent
+    (``drop_layer``), with D's checks switched off (``unverified``, ``unchecked``)."""
+    _, _, sabotage = fleet
+    sabotage.set(mode, "unverified", "unchecked")
+    try:
+        # prompts of their own: pages left by an earlier run of the same prompts would
+        # hold the right KV
+        differ, got = _differ(fleet, seed={"drop": 32, "drop_layer": 33}[mode])
+    finally:
+        sabotage.set()
+    assert len(differ) >= 6, f"{mode}: only prompts {differ} of 8 answered differently"
+    assert len([i for i in differ if not got[i].startswith("<")]) >= 3, got
+    assert _differ(fleet, seed=34, n=4)[0] == []  # and the fleet is whole again
+
+
+def test_d_fails_every_room_whose_latent_layer_did_not_arrive(fleet):
+    """The same fault with D's checks on: the integrity check fails each room whose
+    layer-1 latent pages differ from what P digested; no answer is wrong, every page
+    comes back, and the fleet answers right again."""
+    servers, model, sabotage = fleet
+    prompts = random_prompts(seed=35, n=8)
+    want = answers(servers["ref"].url, model, prompts)
+    before = count(servers["D"].metrics(), "integrity_failures")
+    sabotage.set("drop_layer")
+    try:
+        got = answers(servers["router"].url, model, prompts)
+    finally:
+        sabotage.set()
+    caught = count(servers["D"].metrics(), "integrity_failures") - before
+    wrong = [a for a, b in zip(got, want) if not a.startswith("<") and a != b]
+    print(f"\n[sglang mla] drop_layer checked: {caught:.0f} rooms failed D's check; "
+          f"{len([a for a in got if a.startswith('<')])} of 8 requests failed, {len(wrong)} wrong")
+    assert not wrong, wrong
+    assert caught >= 8, f"D's check failed only {caught:.0f} rooms"
+    pages_come_back(servers, ["P", "D"])
+    router_serves_again(servers, model)  # D's failures opened the router's circuit for it
+    assert _differ(fleet, seed=34, n=4)[0] == []
