@@ -122,8 +122,7 @@ class KvopsKVManager(sgl.CommonKVManager):
         self.pushes = PushQueue(self)
         self.layerwise = self.rooms = None
         if self.prefill:
-            self.layerwise = LayerwisePrefill(self, args.page_size, len(self.caches),
-                                              latent=is_mla_backend)
+            self.layerwise = LayerwisePrefill(self, args.page_size, len(self.caches), is_mla_backend)
             self.layerwise.install()
         else:
             self.rooms = DecodeRooms(args, self._decode_success, self.fail)
