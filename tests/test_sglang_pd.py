@@ -83,26 +83,6 @@ def test_a_changed_sglang_internal_fails_loudly_at_start_up():
     assert "CommonKVSender.send('pages', 'state') differs" in done.stderr, done.stderr[-2000:]
 
 
-def test_what_the_backend_does_not_move_yet_is_refused_at_start_up():
-    """Tensor parallelism or a model's state pools: a clear error when the manager
-    starts, never a transfer that moves the wrong buffers (an MLA model starts:
-    tests/test_sglang_mla.py)."""
-    done = _in_sglang(
-        "from types import SimpleNamespace as NS\n"
-        "from torch_kvops.integrations.sglang.manager import check_supported\n"
-        "check_supported(NS(), NS(device='cpu', tp_size=1))\n"
-        "for args, server in ((NS(state_types=['mamba']), NS(device='cpu', tp_size=1)),\n"
-        "                     (NS(), NS(device='cpu', tp_size=2))):\n"
-        "    try:\n"
-        "        check_supported(args, server)\n"
-        "    except NotImplementedError as exc:\n"
-        "        print(exc)\n")
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.splitlines() == [
-        "the kvops SGLang backend does not support state pools ['mamba'] yet",
-        "the kvops SGLang backend does not support tensor parallelism yet"], done.stdout
-
-
 @pytest.fixture(scope="module")
 def fleet():
     with workspace("kvops-sglang") as (tmp, model, log_dir, sabotage):

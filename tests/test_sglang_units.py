@@ -1,15 +1,19 @@
-"""The SGLang backend's fleet key, in this environment (no SGLang needed): its settings
-(the key, and no server reachable beyond its host without one) and the signing of its
-ZMQ messages (integrations/sglang/signing.py). tests/test_sglang_pd.py runs both in
-real SGLang servers, a prefill server with another key among them."""
+"""The SGLang backend's parts that need no SGLang, in this environment: its fleet key
+(the settings: the key, and no server reachable beyond its host without one; the
+signing of its ZMQ messages, integrations/sglang/signing.py), what it refuses
+(support.py) and the check of a restarted prefill server (prefill_restarts.py).
+tests/test_sglang_pd.py runs them in real SGLang servers, a prefill server with another
+key among them."""
 import json
 import logging
+from types import SimpleNamespace as NS
 
 import pytest
 
 from torch_kvops.integrations.sglang.prefill_restarts import cached_endpoints, prefill_restarted
 from torch_kvops.integrations.sglang.settings import CONFIG_ENV, KvopsSglangSettings
 from torch_kvops.integrations.sglang.signing import MessageSigner, SignedAborts
+from torch_kvops.integrations.sglang.support import check_supported, tp_mismatch
 
 from conftest import FLEET_KEY as KEY  # key_file (the fixture) holds it
 
@@ -19,6 +23,28 @@ ROUTED = "198.18.0.1"  # an address beyond this host (is_loopback needs no inter
 def _settings(monkeypatch, **raw) -> KvopsSglangSettings:
     monkeypatch.setenv(CONFIG_ENV, json.dumps(raw))
     return KvopsSglangSettings.from_env()
+
+
+def test_what_the_backend_does_not_move_yet_is_refused_at_start_up():
+    """A model's state pools, pipeline parallelism or data-parallel attention: a clear
+    error when the manager starts, never a transfer that moves the wrong buffers (an
+    MLA model and tensor parallelism start: tests/test_sglang_mla.py, test_sglang_tp.py)."""
+    check_supported(NS(), NS(device="cpu", tp_size=2))
+    with pytest.raises(NotImplementedError, match=r"^the kvops SGLang backend does not support "
+                       r"state pools \['mamba'\] yet$"):
+        check_supported(NS(state_types=["mamba"]), NS(device="cpu"))
+    with pytest.raises(NotImplementedError, match="^the kvops SGLang backend does not support "
+                       "pipeline parallelism, data-parallel attention yet$"):
+        check_supported(NS(), NS(device="cpu", tp_size=2, pp_size=2, attn_dp_size=2))
+
+
+def test_rooms_between_unequal_attention_tp_sizes_move_only_for_mla():
+    """An MHA rank holds its share of the heads: only equal sizes line up. An MLA rank
+    holds the whole latent. tests/test_sglang_tp.py runs the refusal in real servers."""
+    assert tp_mismatch(2, 2, latent=False) == "" and tp_mismatch(1, 4, latent=True) == ""
+    assert tp_mismatch(2, 1, latent=False) == (
+        "the kvops backend moves KV between equal attention TP sizes only (MLA: any): "
+        "prefill attention TP 2, decode 1")
 
 
 def test_a_signed_message_opens_only_whole_and_under_the_same_key():

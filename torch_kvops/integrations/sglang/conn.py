@@ -6,8 +6,9 @@ from __future__ import annotations
 from . import internals as sgl
 from .manager import KvopsKVManager
 from .signing import SignedAborts
+from .support import tp_mismatch
 
-__all__ = ["KvopsKVBootstrapServer", "KvopsKVManager", "KvopsKVReceiver", "KvopsKVSender", "tp_mismatch"]
+__all__ = ["KvopsKVBootstrapServer", "KvopsKVManager", "KvopsKVReceiver", "KvopsKVSender"]
 
 
 class KvopsKVSender(sgl.CommonKVSender):
@@ -23,17 +24,6 @@ class KvopsKVSender(sgl.CommonKVSender):
     def clear(self) -> None:
         super().clear()
         self.kv_mgr.forget(self.bootstrap_room)
-
-
-def tp_mismatch(prefill_tp: int, decode_tp: int, latent: bool) -> str:
-    """Why a room between these attention TP sizes cannot move, or "". A prefill rank
-    pushes its own pages whole: with MHA its rank holds its share of the KV heads, so
-    only equal sizes line up (slicing heads is not built); an MLA rank holds the whole
-    latent, and SGLang's rank mapping names one prefill rank per decode rank."""
-    if latent or prefill_tp == decode_tp:
-        return ""
-    return (f"the kvops backend moves KV between equal attention TP sizes only (MLA: any): "
-            f"prefill attention TP {prefill_tp}, decode {decode_tp}")
 
 
 class KvopsKVReceiver(sgl.CommonKVReceiver):

@@ -50,6 +50,7 @@ from .prefill_restarts import cached_endpoints, prefill_restarted
 from .push_queue import METADATA_ROW, PushQueue
 from .settings import KvopsSglangSettings
 from .signing import MessageSigner
+from .support import check_supported
 
 log = logging.getLogger(__name__)
 
@@ -68,26 +69,6 @@ class Destination:
     endpoint: str  # its ZMQ socket
     pages: np.ndarray  # its page ids for the room, in token order
     aux_index: int
-
-
-def check_supported(args, server_args) -> None:
-    """What this backend does not move yet fails at start-up, not in a transfer."""
-    missing = []
-    if str(getattr(server_args, "device", "cpu")) != "cpu":
-        missing.append(f"device {server_args.device!r} (host KV caches only so far)")
-    if getattr(args, "num_draft_entries", 0):
-        missing.append("speculative decoding's draft KV")
-    if getattr(args, "state_types", None):
-        missing.append(f"state pools {args.state_types}")
-    # tensor parallelism moves each rank's pages to its peer rank (equal attention TP
-    # on both sides, or MLA: KvopsKVReceiver); other splits of the model are not built
-    for name, what in (("pp_size", "pipeline parallelism"), ("attn_cp_size", "context parallelism"),
-                       ("attn_dp_size", "data-parallel attention")):
-        if getattr(server_args, name, 1) != 1:
-            missing.append(what)
-    if missing:
-        raise NotImplementedError("the kvops SGLang backend does not support "
-                                  + ", ".join(missing) + " yet")
 
 
 class KvopsKVManager(sgl.CommonKVManager):
