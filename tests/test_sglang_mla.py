@@ -5,11 +5,14 @@ tests/test_sglang_pd.py, with the test DeepSeek-V2-style model
 token). SGLang's MLA pool holds one latent buffer per layer (no K and V): the prefill
 server pushes each layer's latent pages as its forward writes them.
 
-One prefill server (chunks of 256 tokens), one decode server, the fleet key and D's
-``mac`` integrity check. Stand-ins (test-only, labelled in tests/sglang_standin): the
-two CPU kernels of sgl_kernel, and the dispatch of SGLang's absorbed MLA form to its
+One prefill server with TP 2 (chunks of 256 tokens), one decode server with TP 1: each
+prefill rank holds the whole latent, SGLang's rank mapping names rank 0 to send and
+gives rank 1 a dummy destination, which ends its room without a transfer. The fleet
+key and D's ``mac`` integrity check. Stand-ins (test-only, labelled in tests/sglang_standin): the
+two CPU kernels of sgl_kernel, the dispatch of SGLang's absorbed MLA form to its
 ``torch_native`` attention (SGLang runs DeepSeek attention on CPU only on AMX), in
-every server alike, the reference included.
+every server alike, the reference included, and PyNccl turned off for SGLang's CPU
+groups (tests/test_sglang_tp.py).
 """
 from __future__ import annotations
 
@@ -30,10 +33,14 @@ CHUNK = 256  # P's --chunked-prefill-size; prompts are 50-800 tokens
 @pytest.fixture(scope="module")
 def fleet():
     with workspace("kvops-sglang-mla", mla=True, rope_scaling=PLAIN_YARN) as (tmp, model, log_dir, sabotage):
-        same = dict(env=fleet_env(tmp, "cpu_mla_dispatch"), page_size=PAGE_SIZE)
+        env = fleet_env(tmp, "cpu_mla_dispatch", "cpu_tp_groups")
+        same = dict(env=env, page_size=PAGE_SIZE)
         with Servers(log_dir) as servers:
-            p = servers.add(SglangServerSpec("P", model, role="prefill",
-                                             extra_args=["--chunked-prefill-size", str(CHUNK)], **same))
+            # P with TP 2, D with TP 1: each prefill rank holds the whole latent, SGLang
+            # names rank 0 to send D's pages and sends rank 1 a dummy destination
+            p = servers.add(SglangServerSpec(
+                "P", model, role="prefill", env=dict(env, SGLANG_CPU_OMP_THREADS_BIND="0|1"),
+                page_size=PAGE_SIZE, extra_args=["--tp-size", "2", "--chunked-prefill-size", str(CHUNK)]))
             d = servers.add(SglangServerSpec("D", model, role="decode", **same))
             servers.add(SglangServerSpec("ref", model, role="monolithic", **same))
             servers.add(SglangRouterSpec("router", [p], [d], extra_args=ROUTER_CHECKS))
@@ -72,9 +79,11 @@ def test_the_mla_model_answers_from_its_context(fleet):
 
 def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_each_latent_layer(fleet):
     servers = fleet[0]
-    assert _differ(fleet, seed=31, n=12)[0] == []
+    n = 12
+    assert _differ(fleet, seed=31, n=n)[0] == []
     p, d = (prometheus.fetch(servers[name].url) for name in ("P", "D"))
-    assert count(p, "rooms", label="success") >= 12 and count(d, "rooms", label="success") >= 12
+    # both prefill ranks ended every room: rank 1 (its destination a dummy) sends nothing
+    assert count(p, "rooms", label="success") >= 2 * n and count(d, "rooms", label="success") >= n
     assert not any(count(s, "rooms", label="failed") for s in (p, d))
     # D computed no prompt token: SGLang's own prefill counter on D stays at 0
     prefilled = [prometheus.total(s, "sglang:prefill_effective_tokens_total", mode="input") for s in (p, d)]
@@ -86,6 +95,7 @@ def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_each_late
     layers, early = count(p, "layers"), count(p, "layers_landed_during_forward")
     print(f"\n[sglang mla] {early:.0f} of {layers:.0f} pushed layers landed before their forward ended")
     assert layers > 0 and early > 0
+    pages_come_back(servers, ["P", "D"])  # P frees a room's pages once both ranks ended it
 
 
 @pytest.mark.parametrize("mode", ["drop", "drop_layer"])

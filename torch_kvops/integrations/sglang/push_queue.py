@@ -73,6 +73,10 @@ class PushQueue:
                 continue
             if last:
                 m.prefill_part_done(room, "row")
+                if not destinations and m.transfer_infos.get(room):
+                    # only dummy destinations: another prefill rank sends the room
+                    # (MLA, fewer decode ranks), so this rank has nothing to move
+                    m.prefill_part_done(room, "kv")
             if len(pages) or (last and not last_pushed):  # an empty last chunk still ends it
                 requests += [TransferRequest(str(room), dest.peer, pages.tolist(),
                                              dest.pages[index_slice].tolist(), last_chunk=last)
