@@ -94,7 +94,9 @@ def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_each_late
     assert count(p, "chunks", label="forward") > count(p, "rooms", label="success")
     layers, early = count(p, "layers"), count(p, "layers_landed_during_forward")
     print(f"\n[sglang mla] {early:.0f} of {layers:.0f} pushed layers landed before their forward ended")
-    assert layers > 0 and early > 0
+    # most layers land while later ones compute: pushed only as the forward ends
+    # (no hook after the KV writes), 3-6 of 84-88 did in the MLA fleet
+    assert layers > 0 and early >= layers / 2, (early, layers)
     pages_come_back(servers, ["P", "D"])  # P frees a room's pages once both ranks ended it
 
 

@@ -158,7 +158,9 @@ def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_layer_by_
     layers = sum(count(p, "layers") for p in (p1, p2))
     early = sum(count(p, "layers_landed_during_forward") for p in (p1, p2))
     print(f"\n[sglang] {early:.0f} of {layers:.0f} pushed layers landed before their forward ended")
-    assert layers > 0 and early > 0
+    # most layers land while later ones compute: pushed only as the forward ends
+    # (no hook after the KV writes), 3-6 of 84-88 did in the MLA fleet
+    assert layers > 0 and early >= layers / 2, (early, layers)
 
 
 IDLE_S = 5.0

@@ -78,7 +78,9 @@ def test_router_answers_equal_the_monolithic_server_with_tp_2_on_both_sides(flee
     assert count(p, "chunks", label="after_forward") == 0
     layers, early = count(p, "layers"), count(p, "layers_landed_during_forward")
     print(f"\n[sglang tp] {early:.0f} of {layers:.0f} pushed layers landed before their forward ended")
-    assert layers > 0 and early > 0
+    # most layers land while later ones compute: pushed only as the forward ends
+    # (no hook after the KV writes), 3-6 of 84-88 did in the MLA fleet
+    assert layers > 0 and early >= layers / 2, (early, layers)
 
 
 def test_negative_control_a_dropped_layer_changes_the_answers(fleet):
