@@ -91,7 +91,7 @@ def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_each_late
     # every chunk left in its forward, one latent layer at a time, in more chunks than
     # rooms (chunked prefill)
     assert count(p, "chunks", label="after_forward") == 0
-    assert count(p, "chunks", label="forward") > count(p, "rooms", label="success")
+    assert count(p, "chunks", label="forward") > count(d, "rooms", label="success")
     layers, early = count(p, "layers"), count(p, "layers_landed_during_forward")
     print(f"\n[sglang mla] {early:.0f} of {layers:.0f} pushed layers landed before their forward ended")
     # most layers land while later ones compute: pushed only as the forward ends
