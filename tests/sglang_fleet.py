@@ -4,13 +4,14 @@ clients send them, the fleet's counters, and waits for a fault to settle."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import random
 import time
 import urllib.error
 import urllib.request
-from typing import Dict, List
+from typing import Dict, Iterator, List, Tuple
 
 from torch_kvops.serving import prometheus
 from torch_kvops.serving.model import random_prompt
@@ -49,6 +50,17 @@ def fleet_env(tmp: str, *standins: str) -> Dict[str, str]:
                 KVOPS_FLEET_KEY_FILE=key_file(tmp, "fleet.key"),
                 KVOPS_SGLANG_CONFIG=json.dumps({"owed_notice_s": OWED_NOTICE_S, "connector": {
                     "lease_s": LEASE_S, "integrity_check": "mac"}}))
+
+
+@contextlib.contextmanager
+def serving(servers, names: List[str]) -> Iterator[None]:
+    """Start the servers ``names``, then the router (it needs their ports); at the end
+    stop every process of the fleet and fail on any that ended badly."""
+    servers.start(names, 600)
+    servers.start(["router"], 600)
+    yield
+    problems = servers.stop_all()
+    assert not problems, problems
 
 
 def key_file(tmp: str, name: str) -> str:
@@ -90,6 +102,19 @@ def random_prompts(seed: int, n: int) -> List[str]:
     rng = random.Random(seed)
     return [random_prompt(rng.randint(50, 800), 1024, rng) for _ in range(n)]
 
+
+def differ_from_reference(servers, model: str, seed: int, n: int = 8,
+                          tag: str = "sglang") -> Tuple[List[int], List[str]]:
+    """(indices of the router's answers that differ from the monolithic server's
+    (``ref``), the router's answers) for ``n`` prompts sent at once."""
+    prompts = random_prompts(seed, n)
+    want = answers(servers["ref"].url, model, prompts)
+    assert not [a for a in want if a.startswith("<")], want
+    got = answers(servers["router"].url, model, prompts)
+    differ = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+    print(f"\n[{tag}] seed {seed}: {len(differ)} of {n} answers differ: "
+          + "; ".join(got[i][:120] for i in differ[:3]))
+    return differ, got
 
 
 def count(samples, name: str, **labels) -> float:

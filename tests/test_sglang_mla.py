@@ -24,8 +24,8 @@ from torch_kvops.serving.sglang import SglangRouterSpec, SglangServerSpec
 from torch_kvops.testing.mla_model import PLAIN_YARN
 
 from serving_fleet import workspace
-from sglang_fleet import (PAGE_SIZE, ROUTER_CHECKS, answers, count, fleet_env, pages_come_back,
-                          random_prompts, router_serves_again)
+from sglang_fleet import (PAGE_SIZE, ROUTER_CHECKS, answers, count, differ_from_reference, fleet_env,
+                          pages_come_back, random_prompts, serving, router_serves_again)
 
 CHUNK = 256  # P's --chunked-prefill-size; prompts are 50-800 tokens
 
@@ -44,25 +44,13 @@ def fleet():
             d = servers.add(SglangServerSpec("D", model, role="decode", **same))
             servers.add(SglangServerSpec("ref", model, role="monolithic", **same))
             servers.add(SglangRouterSpec("router", [p], [d], extra_args=ROUTER_CHECKS))
-            servers.start(["P", "D", "ref"], 600)
-            servers.start(["router"], 600)
-            yield servers, model, sabotage
-            problems = servers.stop_all()
-            assert not problems, problems
+            with serving(servers, ["P", "D", "ref"]):
+                yield servers, model, sabotage
 
 
 def _differ(fleet, seed: int, n: int = 8):
-    """(indices of the router's answers that differ from the monolithic server's, the
-    router's answers) for ``n`` prompts sent at once."""
     servers, model, _ = fleet
-    prompts = random_prompts(seed, n)
-    want = answers(servers["ref"].url, model, prompts)
-    assert not [a for a in want if a.startswith("<")], want
-    got = answers(servers["router"].url, model, prompts)
-    differ = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
-    print(f"\n[sglang mla] seed {seed}: {len(differ)} of {n} answers differ: "
-          + "; ".join(got[i][:120] for i in differ[:3]))
-    return differ, got
+    return differ_from_reference(servers, model, seed, n, "sglang mla")
 
 
 def test_the_mla_model_answers_from_its_context(fleet):

@@ -20,8 +20,8 @@ from torch_kvops.serving.servers import Servers
 from torch_kvops.serving.sglang import SglangRouterSpec, SglangServerSpec
 
 from serving_fleet import workspace
-from sglang_fleet import (PAGE_SIZE, ROUTER_CHECKS, answers, count, fleet_env, pages_come_back,
-                          random_prompts, router_ready, router_serves_again)
+from sglang_fleet import (PAGE_SIZE, ROUTER_CHECKS, answers, count, differ_from_reference, fleet_env,
+                          pages_come_back, random_prompts, serving, router_ready, router_serves_again)
 
 CHUNK = 256  # P's --chunked-prefill-size; prompts are 50-800 tokens
 TP2 = ["--tp-size", "2"]
@@ -43,25 +43,13 @@ def fleet():
             # its own with P that tries each request once
             d1 = servers.add(SglangServerSpec("D1", model, role="decode", env=env, page_size=PAGE_SIZE))
             servers.add(SglangRouterSpec("tp1", [p], [d1], extra_args=ROUTER_CHECKS + ["--disable-retries"]))
-            servers.start(["P", "D", "ref"], 600)
-            servers.start(["router"], 600)
-            yield servers, model, sabotage
-            problems = servers.stop_all()
-            assert not problems, problems
+            with serving(servers, ["P", "D", "ref"]):
+                yield servers, model, sabotage
 
 
 def _differ(fleet, seed: int, n: int = 8):
-    """(indices of the router's answers that differ from the monolithic server's, the
-    router's answers) for ``n`` prompts sent at once."""
     servers, model, _ = fleet
-    prompts = random_prompts(seed, n)
-    want = answers(servers["ref"].url, model, prompts)
-    assert not [a for a in want if a.startswith("<")], want
-    got = answers(servers["router"].url, model, prompts)
-    differ = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
-    print(f"\n[sglang tp] seed {seed}: {len(differ)} of {n} answers differ: "
-          + "; ".join(got[i][:120] for i in differ[:3]))
-    return differ, got
+    return differ_from_reference(servers, model, seed, n, "sglang tp")
 
 
 def test_router_answers_equal_the_monolithic_server_with_tp_2_on_both_sides(fleet):
