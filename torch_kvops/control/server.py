@@ -364,14 +364,16 @@ class ControlServer:
 
 class _Calls:
     """Callables handed to the server thread by others, and the socket that wakes its
-    ``select`` when one is posted."""
+    ``select`` when one is posted. At most one wake byte is ever pending (``_woken``),
+    so the socket pair's buffer never fills and reading it never finds it empty."""
 
     def __init__(self) -> None:
         self._queue: "collections.deque[Callable[[], None]]" = collections.deque()
         self._post_end, self.wakes = socket.socketpair()
         for end in (self._post_end, self.wakes):
             end.setblocking(False)
-        self._lock = threading.Lock()  # post against close
+        self._lock = threading.Lock()  # post against take_wakes and close
+        self._woken = False  # a wake byte is pending in the pair
         self._closed = False
 
     def post(self, fn: Callable[[], None]) -> None:
@@ -381,19 +383,17 @@ class _Calls:
             if self._closed:
                 return
             self._queue.append(fn)
-            try:
+            if not self._woken:
+                self._woken = True
                 self._post_end.send(b"w")
-            except BlockingIOError:  # the pair's buffer is full: wakes are pending already
-                pass
 
     def take_wakes(self) -> None:
-        """Server thread, when ``wakes`` is readable: empty it (a non-blocking socket
-        says it is empty by raising BlockingIOError)."""
-        try:
-            while self.wakes.recv(4096):
-                pass
-        except BlockingIOError:
-            return
+        """Server thread, when ``wakes`` is readable: take the one pending byte. A post
+        meanwhile sends none (still woken), and its call runs in the ``run`` that
+        follows."""
+        with self._lock:
+            self.wakes.recv(1)
+            self._woken = False
 
     def run(self) -> None:
         """Server thread: run what was posted."""
