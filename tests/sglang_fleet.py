@@ -1,4 +1,5 @@
-"""What the SGLang fleet tests share (tests/test_sglang_pd.py, tests/test_sglang_mla.py):
+"""What the SGLang fleet tests share (tests/test_sglang_pd.py, test_sglang_mla.py,
+test_sglang_tp.py):
 the fleet's environment (its key, the integrity check, SGLang's timeouts), requests as
 clients send them, the fleet's counters, and waits for a fault to settle."""
 from __future__ import annotations
@@ -11,7 +12,7 @@ import random
 import time
 import urllib.error
 import urllib.request
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from torch_kvops.serving import prometheus
 from torch_kvops.serving.model import random_prompt
@@ -70,7 +71,6 @@ def key_file(tmp: str, name: str) -> str:
     return path
 
 
-
 def complete(url: str, model: str, prompt: str, timeout: float = 300.0) -> str:
     """The answer's text, or what went wrong in <...> (which differs from any answer)."""
     # ignore_eos: the test model may sample its end token early (seen once: 2 tokens)
@@ -103,15 +103,19 @@ def random_prompts(seed: int, n: int) -> List[str]:
     return [random_prompt(rng.randint(50, 800), 1024, rng) for _ in range(n)]
 
 
-def differ_from_reference(servers, model: str, seed: int, n: int = 8,
-                          tag: str = "sglang") -> Tuple[List[int], List[str]]:
+def differ_from_reference(servers, model: str, seed: int, n: int = 8, tag: str = "sglang",
+                          reference: Optional[Dict[str, str]] = None) -> Tuple[List[int], List[str]]:
     """(indices of the router's answers that differ from the monolithic server's
-    (``ref``), the router's answers) for ``n`` prompts sent at once."""
+    (``ref``), the router's answers) for ``n`` prompts sent at once. ``reference``:
+    the monolithic server's answers by prompt, kept across calls (only the prompts it
+    lacks are asked)."""
+    reference = {} if reference is None else reference
     prompts = random_prompts(seed, n)
-    want = answers(servers["ref"].url, model, prompts)
-    assert not [a for a in want if a.startswith("<")], want
+    missing = [p for p in prompts if p not in reference]
+    reference.update(zip(missing, answers(servers["ref"].url, model, missing)))
+    assert not [a for a in reference.values() if a.startswith("<")], reference
     got = answers(servers["router"].url, model, prompts)
-    differ = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+    differ = [i for i, (p, a) in enumerate(zip(prompts, got)) if a != reference[p]]
     print(f"\n[{tag}] seed {seed}: {len(differ)} of {n} answers differ: "
           + "; ".join(got[i][:120] for i in differ[:3]))
     return differ, got

@@ -38,7 +38,7 @@ from torch_kvops.serving.servers import Servers
 from torch_kvops.serving.sglang import SglangRouterSpec, SglangServerSpec, sglang_python
 
 from serving_fleet import workspace
-from sglang_fleet import (PAGE_SIZE, ROUTER_CHECKS, answers, count,
+from sglang_fleet import (PAGE_SIZE, ROUTER_CHECKS, answers, count, differ_from_reference, serving,
                           fleet_env, key_file, pages_come_back, random_prompts, router_ready,
                           router_serves_again)
 
@@ -103,11 +103,8 @@ def fleet():
                 env, KVOPS_FLEET_KEY_FILE=key_file(tmp, "another.key"),
                 SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="20")))
             servers.add(SglangRouterSpec("foreign", [p3], [d], extra_args=checks + ["--disable-retries"]))
-            servers.start(["P1", "P2", "D", "ref"], 600)
-            servers.start(["router"], 600)  # it needs the servers' ports
-            yield servers, model, sabotage
-            problems = servers.stop_all()
-            assert not problems, problems
+            with serving(servers, ["P1", "P2", "D", "ref"]):
+                yield servers, model, sabotage
 
 
 _reference: Dict[str, str] = {}
@@ -122,15 +119,7 @@ def _compare(fleet, seed: int, n: int = 8) -> List[int]:
 def _compare_answers(fleet, seed: int, n: int = 8) -> Tuple[List[int], List[str]]:
     """(indices of the answers that differ from the monolithic server's, the answers)."""
     servers, model, _ = fleet
-    prompts = random_prompts(seed, n)
-    missing = [p for p in prompts if p not in _reference]
-    _reference.update(zip(missing, answers(servers["ref"].url, model, missing)))
-    assert not [a for a in _reference.values() if a.startswith("<")], _reference
-    got = answers(servers["router"].url, model, prompts)
-    differ = [i for i, (p, a) in enumerate(zip(prompts, got)) if a != _reference[p]]
-    print(f"\n[sglang] seed {seed}: {len(differ)} of {n} answers differ: "
-          + "; ".join(got[i][:120] for i in differ[:3]))
-    return differ, got
+    return differ_from_reference(servers, model, seed, n, reference=_reference)
 
 
 def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_layer_by_layer(fleet):
