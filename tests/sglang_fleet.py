@@ -104,8 +104,9 @@ def random_prompts(seed: int, n: int) -> List[str]:
 
 
 def differ_from_reference(servers, model: str, seed: int, n: int = 8, tag: str = "sglang",
-                          reference: Optional[Dict[str, str]] = None) -> Tuple[List[int], List[str]]:
-    """(indices of the router's answers that differ from the monolithic server's
+                          reference: Optional[Dict[str, str]] = None,
+                          router: str = "router") -> Tuple[List[int], List[str]]:
+    """(indices of the answers of ``router`` that differ from the monolithic server's
     (``ref``), the router's answers) for ``n`` prompts sent at once. ``reference``:
     the monolithic server's answers by prompt, kept across calls (only the prompts it
     lacks are asked)."""
@@ -114,7 +115,7 @@ def differ_from_reference(servers, model: str, seed: int, n: int = 8, tag: str =
     missing = [p for p in prompts if p not in reference]
     reference.update(zip(missing, answers(servers["ref"].url, model, missing)))
     assert not [a for a in reference.values() if a.startswith("<")], reference
-    got = answers(servers["router"].url, model, prompts)
+    got = answers(servers[router].url, model, prompts)
     differ = [i for i, (p, a) in enumerate(zip(prompts, got)) if a != reference[p]]
     print(f"\n[{tag}] seed {seed}: {len(differ)} of {n} answers differ: "
           + "; ".join(got[i][:120] for i in differ[:3]))

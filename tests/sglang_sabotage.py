@@ -24,6 +24,7 @@ test's ``vllm_sabotage.Switch`` writes it), in the prefill server:
   begin naming other pages is not refused (the check of the destination switched off).
 - ``unsigned_aborts`` (in the decode server): SGLang's abort notice goes out unsigned.
 """
+import dataclasses
 import os
 import time
 
@@ -63,7 +64,8 @@ def install() -> None:
     from torch_kvops.connector.peer import PeerLink
     from torch_kvops.connector.verifier import Verifier
     from torch_kvops.integrations.sglang.layerwise import LayerwisePrefill
-    from torch_kvops.integrations.sglang.manager import STILL_OWED, KvopsKVManager
+    from torch_kvops.integrations.sglang.manager import KvopsKVManager
+    from torch_kvops.integrations.sglang.owed_notices import STILL_OWED
     from torch_kvops.integrations.sglang.push_queue import PushQueue
     from torch_kvops.transports.mooncake import MooncakeTransport
 
@@ -71,7 +73,7 @@ def install() -> None:
     run = PushQueue._run
 
     def moved(dest):
-        return type(dest)(dest.peer, dest.endpoint, dest.pages + len(dest.pages), dest.aux_index)
+        return dataclasses.replace(dest, pages=dest.pages + len(dest.pages))
 
     def sabotaged_ready_destinations(self, room):  # the push in the forward
         found = ready_destinations(self, room)

@@ -16,6 +16,8 @@ groups (tests/test_sglang_tp.py).
 """
 from __future__ import annotations
 
+from typing import Dict
+
 import pytest
 
 from torch_kvops.serving import prometheus
@@ -25,7 +27,7 @@ from torch_kvops.testing.mla_model import PLAIN_YARN
 
 from serving_fleet import workspace
 from sglang_fleet import (PAGE_SIZE, ROUTER_CHECKS, answers, count, differ_from_reference, fleet_env,
-                          pages_come_back, random_prompts, serving, router_serves_again)
+                          pages_come_back, random_prompts, router_ready, router_serves_again, serving)
 
 CHUNK = 256  # P's --chunked-prefill-size; prompts are 50-800 tokens
 
@@ -44,13 +46,24 @@ def fleet():
             d = servers.add(SglangServerSpec("D", model, role="decode", **same))
             servers.add(SglangServerSpec("ref", model, role="monolithic", **same))
             servers.add(SglangRouterSpec("router", [p], [d], extra_args=ROUTER_CHECKS))
+            # started by their test only: D2 (TP 2) behind a router with P (equal TP)
+            # and behind another with P1 (TP 1: more decode ranks than prefill ranks)
+            d2 = servers.add(SglangServerSpec(
+                "D2", model, role="decode", env=dict(env, SGLANG_CPU_OMP_THREADS_BIND="0|1"),
+                page_size=PAGE_SIZE, extra_args=["--tp-size", "2"]))
+            p1 = servers.add(SglangServerSpec("P1", model, role="prefill", **same))
+            servers.add(SglangRouterSpec("equal", [p], [d2], extra_args=ROUTER_CHECKS))
+            servers.add(SglangRouterSpec("fewer", [p1], [d2], extra_args=ROUTER_CHECKS))
             with serving(servers, ["P", "D", "ref"]):
                 yield servers, model, sabotage
 
 
-def _differ(fleet, seed: int, n: int = 8):
+def _differ(fleet, seed: int, n: int = 8, router: str = "router"):
     servers, model, _ = fleet
-    return differ_from_reference(servers, model, seed, n, "sglang mla")
+    return differ_from_reference(servers, model, seed, n, f"sglang mla {router}", _reference, router)
+
+
+_reference: Dict[str, str] = {}
 
 
 def test_the_mla_model_answers_from_its_context(fleet):
@@ -73,6 +86,8 @@ def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_each_late
     # both prefill ranks ended every room: rank 1 (its destination a dummy) sends nothing
     assert count(p, "rooms", label="success") >= 2 * n and count(d, "rooms", label="success") >= n
     assert not any(count(s, "rooms", label="failed") for s in (p, d))
+    # D's cache lists both prefill ranks under one entry: neither looks restarted
+    assert count(d, "prefill_restarts") == 0
     # D computed no prompt token: SGLang's own prefill counter on D stays at 0
     prefilled = [prometheus.total(s, "sglang:prefill_effective_tokens_total", mode="input") for s in (p, d)]
     assert prefilled[1] == 0 and prefilled[0] > 0, prefilled
@@ -127,3 +142,31 @@ def test_d_fails_every_room_whose_latent_layer_did_not_arrive(fleet):
     pages_come_back(servers, ["P", "D"])
     router_serves_again(servers, model)  # D's failures opened the router's circuit for it
     assert _differ(fleet, seed=34, n=4)[0] == []
+
+
+def test_latents_move_between_equal_tp_sizes_and_to_more_decode_ranks(fleet):
+    """D2 (TP 2) behind a router with P (TP 2): each decode rank takes the latent from
+    its own prefill rank, no dummy. Behind another with P1 (TP 1): SGLang maps both
+    decode ranks to P1's one rank, which pushes the whole latent to each. Through
+    both, the answers equal the reference's, each decode rank ended every room, D2
+    computed no prompt token, and every page comes back."""
+    servers, model, _ = fleet
+    servers.start(["D2", "P1"], 600)
+    servers.start(["equal", "fewer"], 600)
+    try:
+        for router, prefill, seed in (("equal", "P", 36), ("fewer", "P1", 37)):
+            router_ready(servers[router])
+            before = {n: count(servers[n].metrics(), "rooms", label="success") for n in (prefill, "D2")}
+            assert _differ(fleet, seed, n=8, router=router)[0] == []
+            ended = {n: count(servers[n].metrics(), "rooms", label="success") - before[n]
+                     for n in (prefill, "D2")}
+            print(f"[sglang mla] {router}: rooms ended {ended}")
+            # 8 rooms on each of D2's 2 ranks; on each prefill rank (P: 2, P1: 1)
+            assert ended["D2"] >= 16 and ended[prefill] >= 8 * (2 if prefill == "P" else 1), ended
+        d2 = servers["D2"].metrics()
+        assert prometheus.total(d2, "sglang:prefill_effective_tokens_total", mode="input") == 0
+        assert not count(d2, "rooms", label="failed") and not count(d2, "prefill_restarts")
+        pages_come_back(servers, ["P", "P1", "D2"])
+    finally:  # their health checks would load the machine for the rest of the module
+        for name in ("equal", "fewer", "D2", "P1"):
+            servers[name].stop()

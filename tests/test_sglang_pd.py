@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import signal
 import subprocess
 import time
 import urllib.error
@@ -38,8 +39,8 @@ from torch_kvops.serving.servers import Servers
 from torch_kvops.serving.sglang import SglangRouterSpec, SglangServerSpec, sglang_python
 
 from serving_fleet import workspace
-from sglang_fleet import (PAGE_SIZE, ROUTER_CHECKS, answers, count, differ_from_reference, serving,
-                          fleet_env, key_file, pages_come_back, random_prompts, router_ready,
+from sglang_fleet import (LEASE_S, PAGE_SIZE, ROUTER_CHECKS, answers, count, differ_from_reference,
+                          serving, fleet_env, key_file, pages_come_back, random_prompts, router_ready,
                           router_serves_again)
 
 CHUNK = 256  # P1's --chunked-prefill-size; prompts are 50-800 tokens
@@ -73,14 +74,26 @@ def test_the_plugin_adds_the_backend_and_checks_the_sglang_it_runs_in():
 
 
 def test_a_changed_sglang_internal_fails_loudly_at_start_up():
+    """A changed signature or a dropped field fails ``check()`` (when the plugin
+    installs the backend); an instance attribute SGLang no longer sets fails the
+    manager's start (the check runs first thing after SGLang's ``__init__``)."""
     done = _in_sglang(
         "from sglang.srt.disaggregation.common import conn\n"
         "def send(self, pages, state=None): pass\n"
         "conn.CommonKVSender.send = send\n"
+        "del conn.PrefillServerInfo.__dataclass_fields__['target_tp_ranks']\n"
         "from torch_kvops.integrations.sglang import internals\n"
-        "internals.check()\n")
+        "try:\n"
+        "    internals.check()\n"
+        "except RuntimeError as exc:\n"
+        "    print(exc)\n"
+        "manager = conn.CommonKVManager.__new__(conn.CommonKVManager)\n"
+        "manager.kv_args = None\n"
+        "internals.check_attributes(manager, internals.DECODE_MANAGER_ATTRIBUTES)\n")
     assert done.returncode != 0
-    assert "CommonKVSender.send('pages', 'state') differs" in done.stderr, done.stderr[-2000:]
+    assert "CommonKVSender.send('pages', 'state') differs" in done.stdout, done.stdout[-2000:]
+    assert "PrefillServerInfo.target_tp_ranks is gone" in done.stdout, done.stdout[-2000:]
+    assert "has no local_ip, rank_port" in done.stderr, done.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -346,15 +359,27 @@ def test_a_request_aborted_on_d_stops_its_prefill_by_a_signed_notice(fleet, noti
     assert _compare(fleet, seed=4, n=4) == []
 
 
-FAULTS = {"kill_prefill": "P1", "kill_decode": "D", "client_disconnects": None}
+FAULTS = {"kill_prefill": "P1", "kill_decode": "D", "freeze_prefill": "P1", "client_disconnects": None}
+
+
+def _frozen_past_the_lease(server) -> None:
+    """SIGSTOP the server's whole process group (a paused VM: its HTTP server,
+    scheduler and transfers stop at once) until D's leases of its rooms ended, then
+    SIGCONT: its queued writes resume, into pages D gave up."""
+    os.killpg(server.pgid, signal.SIGSTOP)
+    try:
+        time.sleep(LEASE_S + 10.0)
+    finally:
+        os.killpg(server.pgid, signal.SIGCONT)
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_fault_fails_only_its_own_requests_and_every_page_comes_back(fleet, fault):
-    """A server killed while P1 pushes (SIGKILL of its process group), or clients that
-    hang up after 1 s: the fault fails rooms (or requests), no answer is wrong (each is
-    right or an error), every page on the servers left comes back to SGLang, and the
-    fleet answers right again (the killed server restarted on its ports)."""
+    """A server killed while P1 pushes (SIGKILL of its process group), P1 frozen
+    while it pushes until D's leases ended and then resumed, or clients that hang up
+    after 1 s: the fault fails rooms (or requests), no answer is wrong (each is right
+    or an error), every page on the servers left comes back to SGLang, and the fleet
+    answers right again (a killed server restarted on its ports)."""
     servers, model, _ = fleet
     router_serves_again(servers, model)  # (a fresh fleet's router may hold requests at first)
     victim = FAULTS[fault]
@@ -368,11 +393,15 @@ def test_a_fault_fails_only_its_own_requests_and_every_page_comes_back(fleet, fa
                            1.0 if victim is None else 240.0)
         if victim is not None:
             _when_pushing(servers["P1"])
-            servers.kill(victim)
+            if fault == "freeze_prefill":
+                _frozen_past_the_lease(servers[victim])
+            else:
+                servers.kill(victim)
         got = load.result()
     failed = [i for i, a in enumerate(got) if a.startswith("<")]
     wrong = [i for i, (p, a) in enumerate(zip(prompts, got)) if i not in failed and a != _reference[p]]
-    left = [n for n in ("P1", "P2", "D") if n != victim]
+    killed = victim if fault.startswith("kill") else None
+    left = [n for n in ("P1", "P2", "D") if n != killed]
     settled_s = pages_come_back(servers, left)
     # the rooms the fault failed on the servers left (sglang-router retries a request
     # whose transfer failed, so its client may never see the fault)
@@ -385,7 +414,8 @@ def test_a_fault_fails_only_its_own_requests_and_every_page_comes_back(fleet, fa
     assert not any(refused.values()), "a server of the fleet refused a message of the fleet"
     assert failed or any(hit.values()), "the fault hit no request: nothing was shown"
     if victim is not None:
-        servers.restart(victim, 600)
+        if killed:
+            servers.restart(killed, 600)
         router_serves_again(servers, model)
     # the fleet is whole again; a restarted prefill server is back in the router's
     # rotation (its health checks pass) and pushes its share of rooms

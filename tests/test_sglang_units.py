@@ -1,7 +1,8 @@
 """The SGLang backend's parts that need no SGLang, in this environment: its fleet key
 (the settings: the key, and no server reachable beyond its host without one; the
 signing of its ZMQ messages, integrations/sglang/signing.py), what it refuses
-(support.py) and the check of a restarted prefill server (prefill_restarts.py).
+(support.py), the check of a restarted prefill server (prefill_restarts.py) and the ids
+of a room's transfers (transfers.py).
 tests/test_sglang_pd.py runs them in real SGLang servers, a prefill server with another
 key among them."""
 import json
@@ -14,6 +15,7 @@ from torch_kvops.integrations.sglang.prefill_restarts import cached_endpoints, p
 from torch_kvops.integrations.sglang.settings import CONFIG_ENV, KvopsSglangSettings
 from torch_kvops.integrations.sglang.signing import MessageSigner, SignedAborts
 from torch_kvops.integrations.sglang.support import check_supported, tp_mismatch
+from torch_kvops.integrations.sglang.transfers import Destination, room_of, transfer_id
 
 from conftest import FLEET_KEY as KEY  # key_file (the fixture) holds it
 
@@ -125,7 +127,10 @@ def test_a_prefill_whose_rank_moved_is_found_restarted():
     class Bootstrap(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             queries.append(self.path)
-            body = json.dumps(answer["body"]).encode()
+            body = answer["body"]
+            if self.path.endswith("target_tp_rank=1&target_pp_rank=0"):  # rank 1 of 2
+                body = dict(body, rank_port=body["rank_port"] + 100)
+            body = json.dumps(body).encode()
             self.send_response(answer["status"])
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -150,7 +155,30 @@ def test_a_prefill_whose_rank_moved_is_found_restarted():
         answer.update(status=503, body={"error": "Prefill server not fully registered yet"})
         assert not prefill_restarted(addr, cached)  # says nothing: asked again next time
         assert all(q.startswith("/route?prefill_dp_rank=0") for q in queries), queries
+        # MLA, P TP 2 -> D TP 1: one entry holds rank 0 (sends) and rank 1 (a dummy),
+        # asked for by their own TP ranks (SGLang's rank mapping), not by the key's
+        answer.update(status=200, body={"rank_ip": "127.0.0.1", "rank_port": 5001})
+        pool = {f"{addr}_0_0_0": [{"rank_ip": "127.0.0.1", "rank_port": 5001, "pp_rank": 0},
+                                  {"rank_ip": "127.0.0.1", "rank_port": 5101, "pp_rank": 0}]}
+        cached = cached_endpoints(pool, addr, target_tp_ranks=[0, 1])
+        assert [q[-len("target_tp_rank=1&target_pp_rank=0"):] for q, _ in cached] == [
+            "target_tp_rank=0&target_pp_rank=0", "target_tp_rank=1&target_pp_rank=0"]
+        assert not prefill_restarted(addr, cached)
+        # without the mapping two ranks under one key cannot be told apart: not asked
+        assert cached_endpoints(pool, addr) == []
     finally:
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+def test_a_room_pushed_to_two_decode_ranks_is_two_transfers_both_sides_name_alike():
+    """P names a transfer by the room and the decode rank's engine id (its destination
+    message's session); D by the room and its own engine id: the same string, another
+    for each decode rank, and the room back from either."""
+    room = 9186877197885410583  # SGLang's rooms are 64-bit
+    ranks = [Destination("peer0", "tcp://d:1", None, 0, "a1b2c3d4e5f6"),
+             Destination("peer1", "tcp://d:2", None, 0, "0f1e2d3c4b5a")]
+    ids = [d.transfer(room) for d in ranks]
+    assert ids == [transfer_id(room, "a1b2c3d4e5f6"), transfer_id(room, "0f1e2d3c4b5a")]
+    assert len(set(ids)) == 2 and [room_of(t) for t in ids] == [room, room]

@@ -34,7 +34,8 @@ class KvopsKVReceiver(sgl.CommonKVReceiver):
 
     def init(self, prefill_dp_rank: int) -> None:
         super().init(prefill_dp_rank)
-        if self.conclude_state is None:
+        if self.conclude_state is None:  # (prefill_info is set only then)
+            sgl.check_attributes(self, sgl.RECEIVER_ATTRIBUTES)
             problem = tp_mismatch(self.prefill_info.attn_tp_size, self.kv_mgr.attn_tp_size,
                                   self.kv_mgr.is_mla_backend)
             if problem:  # before a destination goes out: nothing is written here

@@ -18,7 +18,8 @@ from sglang.srt.arg_groups.choices import (DISAGG_TRANSFER_BACKEND_CHOICES,
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (ABORT_TAG, AbortNotification,
                                                    CommonKVBootstrapServer, CommonKVManager,
-                                                   CommonKVReceiver, CommonKVSender)
+                                                   CommonKVReceiver, CommonKVSender,
+                                                   PrefillServerInfo)
 from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -47,7 +48,8 @@ __all__ = ["ABORT_TAG", "AbortNotification", "CommonKVBootstrapServer", "CommonK
            "CommonKVReceiver", "CommonKVSender", "DISAGG_TRANSFER_BACKEND_CHOICES",
            "DisaggregationMode", "HookRegistry", "HookType", "KVArgs", "KVClassType", "KVPoll",
            "TransferBackend", "add_disagg_transfer_backend_choices", "check", "READ_FROM",
-           "BOOTSTRAP_QUEUE_ADD", "MODEL_FORWARD", "KV_WRITES"]
+           "BOOTSTRAP_QUEUE_ADD", "MODEL_FORWARD", "KV_WRITES", "PREFILL_MANAGER_ATTRIBUTES",
+           "DECODE_MANAGER_ATTRIBUTES", "RECEIVER_ATTRIBUTES", "check_attributes"]
 
 # method -> the parameters (in order, after self) the backend passes or receives
 SIGNATURES: Dict[str, List[str]] = {
@@ -79,12 +81,16 @@ SIGNATURES: Dict[str, List[str]] = {
     # the socket SGLang's receiver sends its abort notice on (conn.SignedAborts signs it)
     "CommonKVReceiver._connect_to_bootstrap_server": ["bootstrap_info"],
 }
-# attributes of a CommonKVManager instance the backend reads
+# attributes of a CommonKVManager instance the backend reads: in both roles, and in one
 MANAGER_ATTRIBUTES = ("kv_args", "local_ip", "rank_port", "server_socket", "request_status",
-                      "transfer_infos", "req_to_decode_prefix_len", "attn_tp_size", "is_mla_backend",
-                      "connection_lock", "addr_to_rooms_tracker", "connection_pool")
+                      "attn_tp_size", "is_mla_backend")
+PREFILL_MANAGER_ATTRIBUTES = MANAGER_ATTRIBUTES + ("transfer_infos", "req_to_decode_prefix_len")
+DECODE_MANAGER_ATTRIBUTES = MANAGER_ATTRIBUTES + ("connection_lock", "addr_to_rooms_tracker",
+                                                  "connection_pool", "prefill_info_table")
 # attributes of a CommonKVReceiver instance the backend reads (after its init)
 RECEIVER_ATTRIBUTES = ("kv_mgr", "bootstrap_room", "conclude_state", "prefill_info")
+# fields of PrefillServerInfo (a decode rank's view of a prefill server) the backend reads
+PREFILL_INFO_FIELDS = ("attn_tp_size", "target_tp_ranks")
 # KVPoll values the backend reports
 POLL_STATES = ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")
 
@@ -126,8 +132,20 @@ def check() -> None:
 
     fields = getattr(ForwardBatch, "__dataclass_fields__", {})
     problems += [f"ForwardBatch.{name} is gone" for name in FORWARD_BATCH_FIELDS if name not in fields]
+    info_fields = getattr(PrefillServerInfo, "__dataclass_fields__", {})
+    problems += [f"PrefillServerInfo.{name} is gone" for name in PREFILL_INFO_FIELDS
+                 if name not in info_fields]
     if not isinstance(DISAGG_TRANSFER_BACKEND_CHOICES, list):
         problems.append("DISAGG_TRANSFER_BACKEND_CHOICES is no longer a list")
     if problems:
         raise RuntimeError("the kvops SGLang backend does not match this SGLang: "
                            + "; ".join(problems))
+
+
+def check_attributes(instance, names) -> None:
+    """Instance attributes are set in SGLang's ``__init__``: checked on the first
+    instance, before the backend reads any of them."""
+    missing = [name for name in names if not hasattr(instance, name)]
+    if missing:
+        raise RuntimeError(f"the kvops SGLang backend does not match this SGLang: its "
+                           f"{type(instance).__name__} has no {', '.join(missing)}")

@@ -20,7 +20,8 @@ sends metadata rows and pushes what the forward did not (:mod:`.push_queue`);
 ``kvops-sglang-recv`` reads this rank's ZMQ socket; ``kvops-sglang-connect`` (prefill)
 connects decode ranks as they register (:mod:`.decode_peers`); ``kvops-sglang-outcome`` turns
 connector outcomes into room statuses; ``kvops-sglang-owed`` (prefill) tells decode
-ranks which rooms it still owes, so their leases outlive a long prefill queue. Threads
+ranks which rooms it still owes (:mod:`.owed_notices`). A room goes to each decode rank
+as a transfer of its own (:mod:`.transfers`). Threads
 are daemons, as SGLang's own backends' are: they live as long as the scheduler process
 (the connect threads are a thread pool's: an exiting process waits for an attempt under
 way, bounded by the control timeout and its retries).
@@ -30,12 +31,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
-from dataclasses import dataclass
 from typing import Dict, List, Set
 
 import numpy as np
-import zmq
 
 from ...connector import LayerwiseConnector
 from ...plan import TransferRequest
@@ -45,30 +43,21 @@ from .decode_peers import HELD, DecodePeers, room_endpoint
 from .decode_rooms import DecodeRooms
 from .layerwise import LayerwisePrefill
 from .metrics import Counts
+from .owed_notices import STILL_OWED, renew_owed_rooms, tell_owed_rooms
 from .pages import page_views
 from .prefill_restarts import cached_endpoints, prefill_restarted
 from .push_queue import METADATA_ROW, PushQueue
 from .settings import KvopsSglangSettings
 from .signing import MessageSigner
 from .support import check_supported
+from .transfers import Destination, room_of, transfer_id
 
 log = logging.getLogger(__name__)
 
 REGISTRATION = b"None"  # first frame of a decode rank's registration (SGLang's convention)
-STILL_OWED = b"KVOPS_OWED"  # prefill -> decode: the rooms it still owes that decode rank
 # decode: the connector's counters of failed rooms -> SGLang's counters (metrics.py)
 MIRRORED = {"integrity_failures": "kvops_sglang_integrity_failures",
             "begin_blocks_refused": "kvops_sglang_misaddressed_rooms"}
-
-
-@dataclass(frozen=True)
-class Destination:
-    """One decode rank's destination of one room."""
-
-    peer: str  # the connector's peer id of that decode rank
-    endpoint: str  # its ZMQ socket
-    pages: np.ndarray  # its page ids for the room, in token order
-    aux_index: int
 
 
 class KvopsKVManager(sgl.CommonKVManager):
@@ -76,12 +65,14 @@ class KvopsKVManager(sgl.CommonKVManager):
 
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend: bool = False) -> None:
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        self.prefill = disaggregation_mode == sgl.DisaggregationMode.PREFILL
+        sgl.check_attributes(self, sgl.PREFILL_MANAGER_ATTRIBUTES if self.prefill
+                             else sgl.DECODE_MANAGER_ATTRIBUTES)
         check_supported(args, server_args)
         self.settings = KvopsSglangSettings.from_env()
         self.settings.check_exposure(self.local_ip)
         fleet_key = self.settings.fleet_key()
         self.signer = MessageSigner(fleet_key)
-        self.prefill = disaggregation_mode == sgl.DisaggregationMode.PREFILL
         self.caches = page_views(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
         self.transport = MooncakeTransport(host=self.local_ip, protocol=self.settings.protocol,
                                            device_name=self.settings.device_name)
@@ -99,7 +90,7 @@ class KvopsKVManager(sgl.CommonKVManager):
         self._handle_lock = threading.RLock()  # one message handled at a time (decode_peers.py)
         self.decode_peers = DecodePeers(self.conn, self._handle_lock, self._handle, self.fail) \
             if self.prefill else None
-        self._prefill_parts: Dict[int, Set[str]] = {}  # prefill: room -> "kv", "row" done
+        self._prefill_parts: Dict[int, Set[str]] = {}  # prefill: room -> its parts done
         self.pushes = PushQueue(self)
         self.layerwise = self.rooms = None
         if self.prefill:
@@ -109,7 +100,7 @@ class KvopsKVManager(sgl.CommonKVManager):
             self.rooms = DecodeRooms(args, self._decode_success, self.fail)
         threads = [("recv", self._recv_loop), ("outcome", self._outcome_loop)]
         if self.prefill:
-            threads += [("push", self.pushes.work), ("owed", self._owed_loop)]
+            threads += [("push", self.pushes.work), ("owed", lambda: tell_owed_rooms(self))]
         for name, target in threads:
             threading.Thread(target=target, name=f"kvops-sglang-{name}", daemon=True).start()
         if not self.prefill:
@@ -199,7 +190,7 @@ class KvopsKVManager(sgl.CommonKVManager):
                 self.update_status(room, sgl.KVPoll.Failed)
                 return
             infos[session] = Destination(peer, endpoint, np.frombuffer(msg[4], dtype=np.int32),
-                                         int(msg[5]))
+                                         int(msg[5]), session)
         else:
             infos[session] = None
         if len(infos) == required:
@@ -245,7 +236,7 @@ class KvopsKVManager(sgl.CommonKVManager):
             self.conn.start_step(requests, partial=True)
             return True
         except (ValueError, RuntimeError, TimeoutError) as exc:
-            for room in {int(r.req_id) for r in requests}:
+            for room in {room_of(r.req_id) for r in requests}:
                 self.fail(room, f"kvops push not started: {exc}")
             return False
 
@@ -261,7 +252,8 @@ class KvopsKVManager(sgl.CommonKVManager):
         """Decode: the engine gave the room ``pages`` and a metadata row (before the
         destination message goes out). The prefill may write those pages only."""
         self.rooms.expect(room, aux_index)
-        if not self.conn.expect(str(room), blocks=np.asarray(pages, dtype=np.int64).tolist()):
+        blocks = np.asarray(pages, dtype=np.int64).tolist()
+        if not self.conn.expect(transfer_id(room, self.conn.engine_id), blocks=blocks):
             self.fail(room, f"room {room} was already transferred here once (a room id is "
                              "used once)")
 
@@ -292,44 +284,21 @@ class KvopsKVManager(sgl.CommonKVManager):
 
     def _on_heartbeat_success(self, bootstrap_addr: str) -> None:
         """Decode: a prefill restarted between two heartbeats (prefill_restarts.py)."""
+        mapping = self.prefill_info_table.get(bootstrap_addr)
         with self.connection_lock:
-            cached = cached_endpoints(self.connection_pool, bootstrap_addr)
+            cached = cached_endpoints(self.connection_pool, bootstrap_addr,
+                                      getattr(mapping, "target_tp_ranks", None))
         if cached and prefill_restarted(bootstrap_addr, cached):
+            self.counts.add("kvops_sglang_prefill_restarts")
             self._handle_node_failure(bootstrap_addr)
 
     def _on_decode_message(self, msg: List[bytes]) -> None:
         if msg[0] == STILL_OWED:
-            rooms = json.loads(msg[1])
-            if not isinstance(rooms, list) or not all(isinstance(r, int) for r in rooms):
-                raise ValueError("a list of owed rooms that is not a list of room ids")
-            renewed = [r for r in rooms if self.conn.renew(str(r))]
-            self.counts.add("kvops_sglang_lease_renewals", len(renewed))
+            renew_owed_rooms(self, msg[1])
             return
         if msg[0] != METADATA_ROW:
             raise ValueError(f"unexpected message {msg[0][:16]!r}")
         self.rooms.row_arrived(int(msg[1]), msg[2:])
-
-    def _owed_loop(self) -> None:
-        """Prefill: every ``owed_notice_s``, tell each decode rank the rooms this
-        server accepted and has not ended (queued for prefill, or pushing), so their
-        leases there outlive a long queue, and the rooms held while that rank's link is
-        made (a slow connection, e.g. to a decode server just restarted). A prefill that
-        stops telling (dead, frozen, cut off) renews nothing: its rooms fail there when
-        their leases end."""
-        while True:
-            time.sleep(self.settings.owed_notice_s)
-            owed: Dict[str, List[int]] = self.decode_peers.held_rooms()
-            for room, status in list(self.request_status.items()):
-                if status in (sgl.KVPoll.WaitingForInput, sgl.KVPoll.Transferring):
-                    for dest in self.destinations(room):
-                        owed.setdefault(dest.endpoint, []).append(room)
-            for endpoint, rooms in owed.items():
-                try:
-                    self.send_to_decode(endpoint, [STILL_OWED, json.dumps(rooms).encode()])
-                except zmq.ZMQError as exc:
-                    log.warning("kvops: the rooms owed to %s were not told: %s", endpoint, exc)
-
-    # ------------------------------------------------------------- outcomes
 
     def _outcome_loop(self) -> None:
         counted = dict.fromkeys(MIRRORED, 0)  # the connector's counts, mirrored into SGLang's metrics
@@ -341,26 +310,28 @@ class KvopsKVManager(sgl.CommonKVManager):
                 for key, name in MIRRORED.items():
                     self.counts.add(name, stats[key] - counted[key])
                     counted[key] = stats[key]
-            for req_id in finished:
-                room = int(req_id)
+            for transfer in finished:
                 if self.prefill:
-                    self.prefill_part_done(room, "kv")
+                    self.prefill_part_done(room_of(transfer), transfer)
                 else:
-                    self.rooms.landed(room)
-            for req_id in failed:
-                self.fail(int(req_id), "the kvops transfer failed (see the connector's log)")
+                    self.rooms.landed(room_of(transfer))
+            for transfer in failed:
+                self.fail(room_of(transfer), "the kvops transfer failed (see the connector's log)")
 
     def _decode_success(self, room: int) -> None:
         self.counts.add("kvops_sglang_rooms", 1, "success")
         self.update_status(room, sgl.KVPoll.Success)
 
     def prefill_part_done(self, room: int, part: str) -> None:
-        """Prefill: a room is Success once its KV landed ("kv") and its metadata row
-        went out ("row"): SGLang drops the room's destinations when it sees Success."""
+        """Prefill: a room is Success once its metadata row went out ("row") and its
+        KV landed: each transfer to a decode rank (by its id), or "kv" where this rank
+        has only dummy destinations. SGLang drops the room's destinations when it sees
+        Success."""
+        expected = {d.transfer(room) for d in self.destinations(room)} or {"kv"}
         with self._lock:
             parts = self._prefill_parts.setdefault(room, set())
             parts.add(part)
-            complete = len(parts) == 2
+            complete = parts >= expected | {"row"}
             if complete:
                 del self._prefill_parts[room]
         if complete:

@@ -25,6 +25,8 @@ HELP = {
                                        "differ from what the prefill server pushed)",
     "kvops_sglang_misaddressed_rooms": "Decode: rooms failed because the prefill server named "
                                        "pages this server did not give them (nothing written)",
+    "kvops_sglang_prefill_restarts": "Decode: prefill servers found restarted between two "
+                                     "heartbeats (a cached rank's endpoint moved)",
 }
 
 

@@ -14,7 +14,7 @@ outcome).
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import requests
 
@@ -23,17 +23,26 @@ log = logging.getLogger(__name__)
 ROUTE_TIMEOUT_S = (2, 3)  # (connect, read), as SGLang's heartbeat
 
 
-def cached_endpoints(connection_pool: Dict[str, list], bootstrap_addr: str) -> List[Tuple[str, dict]]:
+def cached_endpoints(connection_pool: Dict[str, list], bootstrap_addr: str,
+                     target_tp_ranks: Optional[Sequence[int]] = None) -> List[Tuple[str, dict]]:
     """(route query, cached rank info) of each rank of ``bootstrap_addr`` in SGLang's
-    ``connection_pool`` (keys ``{addr}_{dp}_{cp}_{tp}``; one info per rank; with TP 1,
-    the only TP this backend runs, the key's TP rank is the info's)."""
+    ``connection_pool`` (keys ``{addr}_{dp}_{cp}_{tp}``). One entry lists the infos of
+    all ``target_tp_ranks`` (SGLang's rank mapping for that prefill server, in order):
+    with MLA and more prefill ranks than decode ranks, the rank that sends and the
+    dummies, whose endpoints differ; without the mapping, an entry is its key's rank."""
     found = []
     for key, infos in connection_pool.items():
-        if not key.startswith(bootstrap_addr + "_"):
+        if not key.startswith(bootstrap_addr + "_") or not infos:
             continue
         dp, cp, tp = key[len(bootstrap_addr) + 1:].split("_")[:3]
-        for info in infos:
-            query = (f"prefill_dp_rank={dp}&prefill_cp_rank={cp}&target_tp_rank={tp}"
+        ranks = list(target_tp_ranks) if target_tp_ranks else [tp]
+        stages = len({info.get("pp_rank", 0) for info in infos})  # of each TP rank, in order
+        if len(ranks) * stages != len(infos):
+            log.warning("kvops: %d cached ranks of %s for TP ranks %s: not checked for a restart",
+                        len(infos), key, ranks)
+            continue
+        for i, info in enumerate(infos):
+            query = (f"prefill_dp_rank={dp}&prefill_cp_rank={cp}&target_tp_rank={ranks[i // stages]}"
                      f"&target_pp_rank={info.get('pp_rank', 0)}")
             found.append((query, info))
     return found

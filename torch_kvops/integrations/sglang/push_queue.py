@@ -78,7 +78,7 @@ class PushQueue:
                     # (MLA, fewer decode ranks), so this rank has nothing to move
                     m.prefill_part_done(room, "kv")
             if len(pages) or (last and not last_pushed):  # an empty last chunk still ends it
-                requests += [TransferRequest(str(room), dest.peer, pages.tolist(),
+                requests += [TransferRequest(dest.transfer(room), dest.peer, pages.tolist(),
                                              dest.pages[index_slice].tolist(), last_chunk=last)
                              for dest in destinations]
             rooms.add(room)
@@ -104,7 +104,8 @@ class PushQueue:
             except RuntimeError as exc:  # the sender failed: it reads no page any more
                 log.error("kvops: room %d aborted with the sender down: %s", room, exc)
                 in_flight = False
-            else:
-                in_flight = m.conn.abort(str(room), reason)
+            else:  # each of its transfers (one per decode rank it goes to)
+                in_flight = any([m.conn.abort(dest.transfer(room), reason)
+                                 for dest in m.destinations(room)])
         if not in_flight:  # nothing can read its pages
             m.fail(room, reason)
