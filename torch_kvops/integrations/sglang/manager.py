@@ -287,7 +287,7 @@ class KvopsKVManager(sgl.CommonKVManager):
         mapping = self.prefill_info_table.get(bootstrap_addr)
         with self.connection_lock:
             cached = cached_endpoints(self.connection_pool, bootstrap_addr,
-                                      getattr(mapping, "target_tp_ranks", None))
+                                      mapping.target_tp_ranks if mapping else None)
         if cached and prefill_restarted(bootstrap_addr, cached):
             self.counts.add("kvops_sglang_prefill_restarts")
             self._handle_node_failure(bootstrap_addr)
