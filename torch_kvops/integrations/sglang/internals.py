@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import pkgutil
-from typing import Dict, List
+from typing import Dict, List, Set, Tuple
 
 import sglang
 from sglang.srt.arg_groups.choices import (DISAGG_TRANSFER_BACKEND_CHOICES,
@@ -142,10 +142,17 @@ def check() -> None:
                            + "; ".join(problems))
 
 
-def check_attributes(instance, names) -> None:
+_ATTRIBUTES_FOUND: Set[Tuple[type, Tuple[str, ...]]] = set()  # (class, names) seen whole
+
+
+def check_attributes(instance, names: Tuple[str, ...]) -> None:
     """Instance attributes are set in SGLang's ``__init__``: checked on the first
-    instance, before the backend reads any of them."""
+    instance of each class (a receiver is made per room), before the backend reads
+    any of them."""
+    if (type(instance), names) in _ATTRIBUTES_FOUND:
+        return
     missing = [name for name in names if not hasattr(instance, name)]
     if missing:
         raise RuntimeError(f"the kvops SGLang backend does not match this SGLang: its "
                            f"{type(instance).__name__} has no {', '.join(missing)}")
+    _ATTRIBUTES_FOUND.add((type(instance), names))
