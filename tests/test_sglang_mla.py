@@ -149,8 +149,9 @@ def test_latents_move_between_equal_tp_sizes_and_to_more_decode_ranks(fleet):
     its own prefill rank, no dummy. Behind another with P1 (TP 1): SGLang maps both
     decode ranks to P1's one rank, which pushes the whole latent to each. Through
     both, the answers equal the reference's, each decode rank ended every room, D2
-    computed no prompt token, and every page comes back."""
-    servers, model, _ = fleet
+    computed no prompt token, and every page comes back. Negative control: through
+    P1, no byte moved (``drop``, D2's checks off): the answers differ."""
+    servers, model, sabotage = fleet
     servers.start(["D2", "P1"], 600)
     servers.start(["equal", "fewer"], 600)
     try:
@@ -167,6 +168,15 @@ def test_latents_move_between_equal_tp_sizes_and_to_more_decode_ranks(fleet):
         assert prometheus.total(d2, "sglang:prefill_effective_tokens_total", mode="input") == 0
         assert not count(d2, "rooms", label="failed") and not count(d2, "prefill_restarts")
         pages_come_back(servers, ["P", "P1", "D2"])
+        # negative control: P1's two transfers of each room move no byte (D2's checks
+        # off), so D2's ranks decode from pages that hold no prompt
+        sabotage.set("drop", "unverified", "unchecked")
+        try:
+            differ, got = _differ(fleet, seed=38, n=8, router="fewer")
+        finally:
+            sabotage.set()
+        assert len(differ) >= 6, f"drop through 'fewer': only prompts {differ} of 8 differ"
+        assert len([i for i in differ if not got[i].startswith("<")]) >= 3, got
     finally:  # their health checks would load the machine for the rest of the module
         for name in ("equal", "fewer", "D2", "P1"):
             servers[name].stop()
