@@ -99,7 +99,8 @@ kvops::CopyPolicy policy_with(kvops::CopyPolicy p, const std::optional<std::stri
 pybind11::dict plan_cuda_copy_for_test(const at::Tensor& src_ptrs, const at::Tensor& dst_ptrs,
                                        const at::Tensor& sizes, bool src_kernel_ok,
                                        bool dst_kernel_ok, bool device_to_device, bool capturing,
-                                       bool large_params, const std::optional<std::string>& mode,
+                                       bool large_params, bool dma_batched,
+                                       const std::optional<std::string>& mode,
                                        std::optional<int64_t> max_ctas,
                                        std::optional<int64_t> dma_min_bytes,
                                        std::optional<int64_t> dma_min_bytes_d2d) {
@@ -110,6 +111,7 @@ pybind11::dict plan_cuda_copy_for_test(const at::Tensor& src_ptrs, const at::Ten
   ctx.device_to_device = device_to_device;
   ctx.capturing = capturing;
   ctx.large_params = large_params;
+  ctx.dma_batched = dma_batched;
   const kvops::CopyPolicy policy =
       policy_with(kvops::copy_policy(), mode, max_ctas, dma_min_bytes, dma_min_bytes_d2d);
   const kvops::CudaCopyPlan plan = kvops::plan_cuda_copy(descs, ctx, policy);
@@ -195,7 +197,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_plan_cuda_copy", &plan_cuda_copy_for_test, py::arg("src_ptrs"), py::arg("dst_ptrs"),
         py::arg("sizes"), py::arg("src_kernel_ok") = true, py::arg("dst_kernel_ok") = true,
         py::arg("device_to_device") = false, py::arg("capturing") = false,
-        py::arg("large_params") = true, py::arg("mode") = py::none(),
+        py::arg("large_params") = true, py::arg("dma_batched") = true, py::arg("mode") = py::none(),
         py::arg("max_ctas") = py::none(), py::arg("dma_min_bytes") = py::none(),
         py::arg("dma_min_bytes_d2d") = py::none());
   m.def("_kernel_constants", [] {

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from torch_kvops.connector.breaker import PeerBreaker
 from torch_kvops.integrations.sglang import decode_peers
 from torch_kvops.integrations.sglang.decode_peers import HELD, DecodePeers
 from torch_kvops.testing.consumer_process import ConsumerProcess
@@ -67,7 +68,8 @@ def test_a_dropping_decode_rank_delays_no_other_ranks_rooms(case, producer, drop
     add_peer = producer.add_peer
     monkeypatch.setattr(producer, "add_peer", lambda info: attempts.append(info["engine_id"])
                         or add_peer(info))
-    peers = DecodePeers(producer, handle_lock, replay, fail)
+    now = [0.0]  # the breaker's clock: the backoff after a failed attempt passes when told
+    peers = DecodePeers(producer, handle_lock, replay, fail, PeerBreaker(clock=lambda: now[0]))
     dropping = _dropping_info(good.info, dropping_address)
     try:
         started = time.monotonic()
@@ -76,6 +78,8 @@ def test_a_dropping_decode_rank_delays_no_other_ranks_rooms(case, producer, drop
             registered = time.monotonic() - started
             peers.register("dropping", dict(dropping))  # again, while its attempt runs
             peers.register("good", good.info)
+            if case == "inline":  # its attempts ran (and failed) in register: back off no more
+                now[0] += 60.0
             assert peers.peer("dropping", room_message(1, "dropping")) == HELD
             assert peers.peer("unknown", room_message(3, "unknown")) is None, "an unregistered rank"
         if case == "background":  # P owes the held room: its owed notices renew its lease on D
@@ -102,9 +106,15 @@ def test_a_dropping_decode_rank_delays_no_other_ranks_rooms(case, producer, drop
         assert failed_at - started >= CONFIG["control_timeout_s"]  # its attempt ran its course
         assert attempts.count(dropping["engine_id"]) == 1, attempts  # one attempt at a time
         assert peers.held_rooms() == {}, "a failed room is owed no more"
-        # its next room asks for another attempt, and is held meanwhile
+        # its next room fails at once while the rank backs off (no attempt that would
+        # only time out again); once the backoff passed, a room asks for another attempt
+        # and is held meanwhile
+        with handle_lock, pytest.raises(RuntimeError, match="connecting again in"):
+            peers.peer("dropping", room_message(4, "dropping"))
+        assert attempts.count(dropping["engine_id"]) == 1, attempts
+        now[0] += 1.0  # past the first backoff (0.25-0.5 s)
         with handle_lock:
-            assert peers.peer("dropping", room_message(4, "dropping")) == HELD
+            assert peers.peer("dropping", room_message(6, "dropping")) == HELD
         with handle_lock:
             assert peers.peer("good", room_message(5, "good")) == good_peer
     finally:

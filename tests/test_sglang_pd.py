@@ -359,13 +359,15 @@ def test_a_request_aborted_on_d_stops_its_prefill_by_a_signed_notice(fleet, noti
     assert _compare(fleet, seed=4, n=4) == []
 
 
-FAULTS = {"kill_prefill": "P1", "kill_decode": "D", "freeze_prefill": "P1", "client_disconnects": None}
+FAULTS = {"kill_prefill": "P1", "kill_decode": "D", "freeze_prefill": "P1", "client_disconnects": None,
+          "freeze_decode": "D"}
 
 
 def _frozen_past_the_lease(server) -> None:
     """SIGSTOP the server's whole process group (a paused VM: its HTTP server,
-    scheduler and transfers stop at once) until D's leases of its rooms ended, then
-    SIGCONT: its queued writes resume, into pages D gave up."""
+    scheduler and transfers stop at once) for longer than D's lease, then SIGCONT. A
+    frozen P resumes its queued writes, into pages D gave up; a frozen D wakes with
+    every lease expired, while P gave up its pushes and may still have bytes in flight."""
     os.killpg(server.pgid, signal.SIGSTOP)
     try:
         time.sleep(LEASE_S + 10.0)
@@ -375,8 +377,8 @@ def _frozen_past_the_lease(server) -> None:
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_fault_fails_only_its_own_requests_and_every_page_comes_back(fleet, fault):
-    """A server killed while P1 pushes (SIGKILL of its process group), P1 frozen
-    while it pushes until D's leases ended and then resumed, or clients that hang up
+    """A server killed while P1 pushes (SIGKILL of its process group), P1 or D frozen
+    while P1 pushes until D's leases ended and then resumed, or clients that hang up
     after 1 s: the fault fails rooms (or requests), no answer is wrong (each is right
     or an error), every page on the servers left comes back to SGLang, and the fleet
     answers right again (a killed server restarted on its ports)."""
@@ -393,7 +395,7 @@ def test_a_fault_fails_only_its_own_requests_and_every_page_comes_back(fleet, fa
                            1.0 if victim is None else 240.0)
         if victim is not None:
             _when_pushing(servers["P1"])
-            if fault == "freeze_prefill":
+            if fault.startswith("freeze"):
                 _frozen_past_the_lease(servers[victim])
             else:
                 servers.kill(victim)

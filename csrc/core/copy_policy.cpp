@@ -99,7 +99,9 @@ CudaCopyPlan plan_cuda_copy(const std::vector<CopyDesc>& descs, const CopyContex
       switch (policy.mode) {
         case CopyMode::kKernel: kernel = true; break;
         case CopyMode::kDma: kernel = false; break;
-        case CopyMode::kAuto: kernel = d.bytes < threshold; break;
+        case CopyMode::kAuto:
+          kernel = d.bytes < threshold || (!ctx.dma_batched && !ctx.device_to_device);
+          break;
       }
     }
     plan.path.push_back(kernel ? CopyPath::kKernel : CopyPath::kDma);

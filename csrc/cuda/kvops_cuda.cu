@@ -244,6 +244,16 @@ bool copy_batched(const BatchEntry& entry, const CopyDesc* descs, size_t count, 
 }
 #endif  // KVOPS_CUDA_HAVE_BATCH_API
 
+// Whether DMA on `stream` is one batch call, rather than one cudaMemcpyAsync per copy.
+bool dma_is_batched(cudaStream_t stream) {
+#if KVOPS_CUDA_HAVE_BATCH_API
+  return batch_entry().available() && !is_legacy_default_stream(stream);
+#else
+  (void)stream;
+  return false;
+#endif
+}
+
 // Issues every descriptor on `stream`, in slices of kMaxDescriptorsPerCall.
 // src_where / dst_where: device ordinal or kHost, used as location hints only.
 void copy_on_stream(const std::vector<CopyDesc>& descs, cudaStream_t stream, int src_where,
@@ -251,8 +261,7 @@ void copy_on_stream(const std::vector<CopyDesc>& descs, cudaStream_t stream, int
   if (descs.empty()) return;
 #if KVOPS_CUDA_HAVE_BATCH_API
   const BatchEntry& entry = batch_entry();
-  bool batched = entry.available() && !is_legacy_default_stream(stream) &&
-                 !stream_is_capturing(stream);
+  bool batched = dma_is_batched(stream) && !stream_is_capturing(stream);
   std::vector<CUdeviceptr> srcs, dsts;
   std::vector<size_t> sizes;
 #else
@@ -496,6 +505,7 @@ void copy_descs(const std::vector<CopyDesc>& descs, int device, cudaStream_t str
   ctx.dst_kernel_ok = dst_kernel_ok;
   ctx.device_to_device = src_where != kHost && dst_where != kHost;
   ctx.large_params = large_kernel_params();
+  ctx.dma_batched = dma_is_batched(stream);
   const CopyPolicy policy = copy_policy();
   const bool any_kernel = policy.mode != CopyMode::kDma && src_kernel_ok && dst_kernel_ok;
   // Only a plan that may launch kernels needs to know about capture.

@@ -7,8 +7,11 @@ decode rank's rooms: the receive thread goes on reading. A room that arrives whi
 decode rank's link is being made is held, and handled when the attempt ends: with its
 peer, or failed with the attempt's error. One attempt per decode rank at a time: a
 registration during an attempt is taken up when the attempt ends (its rooms wait for
-the latest registration's link). A rank whose last attempt failed is tried again by its
-next room.
+the latest registration's link). A rank whose last attempt failed, or whose link was
+given up since (a write or the control channel timed out: the rank froze, or the network
+cut it off), is connected again by its next room, paced by a circuit breaker
+(connector/breaker.py, as the vLLM adapter's links): while it backs off, its rooms fail
+at once instead of waiting for an attempt that would time out again.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set
 
+from ...connector.breaker import PeerBreaker
+
 if TYPE_CHECKING:
     from ...connector import LayerwiseConnector
 
@@ -24,6 +29,7 @@ log = logging.getLogger(__name__)
 
 CONNECT_THREADS = 4  # decode ranks connected at once
 MAX_HELD_ROOMS = 1024  # per decode rank while it connects; past that, its rooms fail
+STALE_BREAKER_S = 300.0  # a failed rank no room asked for since is forgotten
 HELD = "held"  # peer(): the room is held until its decode rank's link is made
 
 
@@ -39,7 +45,8 @@ class DecodePeers:
     once its peer is known (which must not raise), or ended by ``fail(room, reason)``."""
 
     def __init__(self, conn: "LayerwiseConnector", handle_lock: "threading.RLock",
-                 replay: Callable[[List[bytes]], None], fail: Callable[[int, str], None]) -> None:
+                 replay: Callable[[List[bytes]], None], fail: Callable[[int, str], None],
+                 breaker: Optional[PeerBreaker] = None) -> None:
         self._conn, self._handle_lock = conn, handle_lock
         self._replay, self._fail = replay, fail
         self._lock = threading.Lock()
@@ -47,12 +54,15 @@ class DecodePeers:
         self._peers: Dict[str, str] = {}
         self._held: Dict[str, List[List[bytes]]] = {}  # session -> rooms waiting for its link
         self._connecting: Set[str] = set()  # sessions with an attempt under way
+        # sessions whose last attempt failed or link broke (an empty breaker is falsy: no `or`)
+        self._breaker = breaker if breaker is not None else PeerBreaker()
         self._pool = ThreadPoolExecutor(CONNECT_THREADS, thread_name_prefix="kvops-sglang-connect")
 
     def register(self, session: str, info: dict) -> None:
         """Receive thread: a decode rank registered (again): connect it in the
         background, unless it is already linked as registered."""
         with self._lock:
+            self._breaker.forget_stale(STALE_BREAKER_S)  # ranks gone for good (restarted anew)
             known = self._infos.get(session)
             self._infos[session] = info
             if known == info and session in self._peers:
@@ -66,13 +76,24 @@ class DecodePeers:
     def peer(self, session: str, msg: List[bytes]) -> Optional[str]:
         """Receive thread, for a room message of ``session``: its peer id; ``HELD`` if
         its link is being made (the room is handled when the attempt ends); None if the
-        rank never registered."""
+        rank never registered. ``RuntimeError`` (the room fails) while the rank's link
+        backs off after a failure, or if too many of its rooms wait for its link."""
         with self._lock:
             peer = self._peers.get(session)
             if peer is not None:
-                return peer
+                broken = self._conn.peer_failed(peer)
+                if broken is None:
+                    return peer
+                log.warning("kvops: decode rank %s: its link was given up (%s); connecting "
+                            "it again", session, broken)
+                del self._peers[session]
+                self._breaker.failed(session, broken)
             if session not in self._infos:
                 return None
+            if session not in self._connecting and not self._breaker.may_try(session):
+                state = self._breaker.states().get(session, {})
+                raise RuntimeError(f"decode rank {session}: its link failed ({state.get('reason')}); "
+                                   f"connecting again in {state.get('retry_in_s', 0.0):.1f} s")
             held = self._held.setdefault(session, [])
             if len(held) >= MAX_HELD_ROOMS:
                 raise RuntimeError(f"decode rank {session}: {len(held)} rooms already wait for "
@@ -119,6 +140,9 @@ class DecodePeers:
                     held = self._held.pop(session, [])
                     if peer is not None:
                         self._peers[session] = peer
+                        self._breaker.closed(session)
+                    else:
+                        self._breaker.failed(session, error)
                 for msg in held:
                     if peer is not None:
                         self._replay(msg)
