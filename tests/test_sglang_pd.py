@@ -430,5 +430,12 @@ def test_a_fault_fails_only_its_own_requests_and_every_page_comes_back(fleet, fa
         if victim != "P1" or served or time.monotonic() > deadline:
             break
         time.sleep(3.0)
-    print(f"[sglang] after the fault P1 pushed {served:.0f} rooms ({attempt + 1} loads)")
+    # links stay flat: one per decode rank on each prefill server, whatever the fault
+    # did to them (a dead D's link is closed, a broken one made again, not added)
+    links = {n: {event: count(servers[n].metrics(), "links", label=event)
+                 for event in ("made", "broken", "remade", "released")} for n in ("P1", "P2")}
+    live = {n: c["made"] - c["released"] for n, c in links.items()}
+    print(f"[sglang] after the fault P1 pushed {served:.0f} rooms ({attempt + 1} loads); links to "
+          f"decode ranks {links}, live {live}")
     assert served >= 1
+    assert all(n <= 1 for n in live.values()), f"links to decode ranks pile up: {live}"

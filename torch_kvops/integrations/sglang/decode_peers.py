@@ -16,7 +16,9 @@ at once instead of waiting for an attempt that would time out again.
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set
 
@@ -24,6 +26,7 @@ from ...connector.breaker import PeerBreaker
 
 if TYPE_CHECKING:
     from ...connector import LayerwiseConnector
+    from .metrics import Counts
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ class DecodePeers:
 
     def __init__(self, conn: "LayerwiseConnector", handle_lock: "threading.RLock",
                  replay: Callable[[List[bytes]], None], fail: Callable[[int, str], None],
-                 breaker: Optional[PeerBreaker] = None) -> None:
+                 breaker: Optional[PeerBreaker] = None, counts: Optional["Counts"] = None) -> None:
         self._conn, self._handle_lock = conn, handle_lock
         self._replay, self._fail = replay, fail
         self._lock = threading.Lock()
@@ -57,6 +60,9 @@ class DecodePeers:
         # sessions whose last attempt failed or link broke (an empty breaker is falsy: no `or`)
         self._breaker = breaker if breaker is not None else PeerBreaker()
         self._pool = ThreadPoolExecutor(CONNECT_THREADS, thread_name_prefix="kvops-sglang-connect")
+        self._counts = counts
+        self._linked: Set[str] = set()  # the connector's peers this made and did not release
+        self._next_release = 0.0
 
     def register(self, session: str, info: dict) -> None:
         """Receive thread: a decode rank registered (again): connect it in the
@@ -81,13 +87,17 @@ class DecodePeers:
         with self._lock:
             peer = self._peers.get(session)
             if peer is not None:
-                broken = self._conn.peer_failed(peer)
+                try:
+                    broken = self._conn.peer_failed(peer)
+                except KeyError:  # closed by release_dead meanwhile
+                    broken = "its link was closed"
                 if broken is None:
                     return peer
                 log.warning("kvops: decode rank %s: its link was given up (%s); connecting "
                             "it again", session, broken)
                 del self._peers[session]
                 self._breaker.failed(session, broken)
+                self._count("broken")
             if session not in self._infos:
                 return None
             if session not in self._connecting and not self._breaker.may_try(session):
@@ -116,6 +126,31 @@ class DecodePeers:
             owed.setdefault(room_endpoint(msg), []).append(int(msg[0]))
         return owed
 
+    def release_dead(self) -> None:
+        """Between two connector steps (under the manager's step lock), at most once a
+        second: close the links the connector gave up (their rank died, restarted under
+        a new session, froze or was cut off: the sender finds a closed channel when it
+        polls an idle link) that have nothing in flight, so links do not pile up while
+        decode servers come and go. A room that still names a closed link is refused
+        alone when its step starts (it fails; a rank's next room links it again)."""
+        now = time.monotonic()
+        if now < self._next_release:
+            return
+        self._next_release = now + 1.0
+        released = set(self._conn.release_peers(math.inf))  # given up only: never a live idle one
+        if not released:
+            return
+        with self._lock:
+            self._peers = {s: p for s, p in self._peers.items() if p not in released}
+            self._linked -= released
+        log.info("kvops: closed the links to decode ranks %s (given up, nothing in flight)",
+                 sorted(released))
+        self._count("released", len(released))
+
+    def _count(self, event: str, amount: int = 1) -> None:
+        if self._counts is not None:
+            self._counts.add("kvops_sglang_links", amount, event)
+
     def close(self) -> None:
         """Wait for the attempts under way (each bounded by the control timeout and its
         retries) and stop the connect threads."""
@@ -141,6 +176,8 @@ class DecodePeers:
                     if peer is not None:
                         self._peers[session] = peer
                         self._breaker.closed(session)
+                        self._count("remade" if peer in self._linked else "made")
+                        self._linked.add(peer)
                     else:
                         self._breaker.failed(session, error)
                 for msg in held:

@@ -88,8 +88,8 @@ class KvopsKVManager(sgl.CommonKVManager):
         self._lock = threading.Lock()
         self.step_lock = threading.Lock()  # one connector step at a time: forward or push thread
         self._handle_lock = threading.RLock()  # one message handled at a time (decode_peers.py)
-        self.decode_peers = DecodePeers(self.conn, self._handle_lock, self._handle, self.fail) \
-            if self.prefill else None
+        self.decode_peers = DecodePeers(self.conn, self._handle_lock, self._handle, self.fail,
+                                        counts=self.counts) if self.prefill else None
         self._prefill_parts: Dict[int, Set[str]] = {}  # prefill: room -> its parts done
         self.pushes = PushQueue(self)
         self.layerwise = self.rooms = None
@@ -233,6 +233,8 @@ class KvopsKVManager(sgl.CommonKVManager):
             self.conn.wait_for_save(self.conn.config.step_timeout_s)
             if self.layerwise is not None:
                 self.layerwise.count_overlap()  # the step just ended, if a forward's
+            if self.decode_peers is not None:
+                self.decode_peers.release_dead()  # between two steps
             self.conn.start_step(requests, partial=True)
             return True
         except (ValueError, RuntimeError, TimeoutError) as exc:

@@ -27,6 +27,10 @@ HELP = {
                                        "pages this server did not give them (nothing written)",
     "kvops_sglang_prefill_restarts": "Decode: prefill servers found restarted between two "
                                      "heartbeats (a cached rank's endpoint moved)",
+    "kvops_sglang_links": "Prefill: links to decode ranks, by event: 'made' (to a rank not "
+                          "linked), 'broken' (given up by the connector), 'remade' (a broken "
+                          "one connected again), 'released' (a broken or dead one closed); "
+                          "live links = made - released",
 }
 
 
