@@ -158,13 +158,13 @@ def router_ready(router, timeout: float = 60.0) -> None:
         time.sleep(0.5)
 
 
-def router_serves_again(servers, model: str, timeout: float = 120.0) -> None:
+def router_serves_again(servers, model: str, timeout: float = 120.0, router: str = "router") -> None:
     """Wait until the router answers a request again: a server of each role is in its
     rotation (its health checks passed: until then it answers 503) and took a request
     without an error (a server that was frozen may fail its first ones, and the
     router's circuit for it opens again)."""
     deadline = time.monotonic() + timeout
-    while (answer := complete(servers["router"].url, model, "a b c", 60.0)).startswith("<"):
+    while (answer := complete(servers[router].url, model, "a b c", 60.0)).startswith("<"):
         if time.monotonic() > deadline:
             raise AssertionError(f"the router still refuses requests {timeout:.0f} s after the "
                                  f"restart: {answer[:300]}")

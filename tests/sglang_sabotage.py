@@ -8,6 +8,9 @@ test's ``vllm_sabotage.Switch`` writes it), in the prefill server:
   ones, and the room's pages keep what they held). A permutation of the room's own
   pages would be no control: attention over a prompt's keys ignores their order
   (positions are in the keys).
+- ``misplace_heads``: each MHA part writes its KV heads at the next head range of the
+  decode rank's tokens (with P at TP 2 and D at TP 1, the two prefill ranks' heads
+  swap places): the right bytes in the right pages, under the wrong heads.
 - ``drop``: the transport reports every write done and moves no byte.
 - ``drop_layer``: the writes of one KV buffer (the keys of layer 1) move no byte (the
   transport reports success); every other layer arrives.
@@ -94,6 +97,18 @@ def install() -> None:
                 if room in infos:
                     infos[room].update(sessions)
 
+    from torch_kvops.integrations.sglang.transfers import Destination
+
+    request = Destination.request
+
+    def sabotaged_request(self, room, src_pages, dst, last):
+        if "misplace_heads" in modes() and self.part is not None:
+            part = self.part
+            shifted = (part.dst_offset + len(part.heads)) % part.dst_heads
+            self = dataclasses.replace(self, part=dataclasses.replace(part, dst_offset=shifted))
+        return request(self, room, src_pages, dst, last)
+
+    Destination.request = sabotaged_request
     KvopsKVManager.ready_destinations = sabotaged_ready_destinations
     PushQueue._run = sabotaged_run
     write = MooncakeTransport.write

@@ -2,10 +2,10 @@
 servers with ``--tp-size 2`` on both sides behind sglang-router (P/D mode), against a
 monolithic SGLang server with the same TP (its reductions in the same order).
 
-Each prefill rank holds its share of the KV heads and pushes its own pages to the
-decode rank SGLang's rank mapping names (equal attention TP: the same rank), over its
-own connector and Mooncake engine. A decode server of another TP size fails its rooms
-before any destination goes out, with the reason (MHA heads are not sliced).
+Each prefill rank holds its share of the KV heads and pushes them to the decode ranks
+SGLang's rank mapping names (equal attention TP: the same rank), over its own connector
+and Mooncake engine; a decode server of TP 1 takes one head from each prefill rank
+(integrations/sglang/heads.py).
 
 Stand-ins (test-only, labelled in tests/sglang_standin): the two CPU kernels of
 sgl_kernel, and PyNccl turned off for SGLang's CPU groups (SGLang 0.5.23 asks a CPU
@@ -25,7 +25,6 @@ from sglang_fleet import (PAGE_SIZE, ROUTER_CHECKS, answers, count, differ_from_
 
 CHUNK = 256  # P's --chunked-prefill-size; prompts are 50-800 tokens
 TP2 = ["--tp-size", "2"]
-MISMATCH = "the kvops backend moves KV between equal attention TP sizes only"
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +46,9 @@ def fleet():
                 yield servers, model, sabotage
 
 
-def _differ(fleet, seed: int, n: int = 8):
+def _differ(fleet, seed: int, n: int = 8, router: str = "router"):
     servers, model, _ = fleet
-    return differ_from_reference(servers, model, seed, n, "sglang tp")
+    return differ_from_reference(servers, model, seed, n, f"sglang tp {router}", router=router)
 
 
 def test_router_answers_equal_the_monolithic_server_with_tp_2_on_both_sides(fleet):
@@ -84,23 +83,51 @@ def test_negative_control_a_dropped_layer_changes_the_answers(fleet):
     assert _differ(fleet, seed=43, n=4)[0] == []  # and the fleet is whole again
 
 
-def test_a_decode_server_of_another_tp_size_fails_its_rooms_with_the_reason(fleet):
-    """D1 (TP 1) behind a router with P (TP 2): each room fails on D1 before its
-    destination goes out (nothing written), the client gets an error, not an answer,
-    and the pages come back on both sides."""
-    servers, model, _ = fleet
+def test_kv_heads_move_to_a_decode_server_of_another_tp_size(fleet):
+    """D1 (TP 1) behind a router with P (TP 2): SGLang maps D1's one rank to both
+    prefill ranks, and each pushes its KV head into D1's pages, at its place in each
+    token (a part of its own). The answers equal the reference's, D1 ended every room
+    once both parts landed, and no prefill rank moved whole pages. Negative controls:
+    the two prefill ranks' heads swapped (``misplace_heads``): D1 refuses every part
+    (its units are not the ones expected), and with that check off the bytes land under
+    the wrong heads and the answers differ."""
+    servers, model, sabotage = fleet
     servers.start(["D1"])
     servers.start(["tp1"])
     try:
         router_ready(servers["tp1"])
-        before = count(servers["D1"].metrics(), "rooms", label="failed")
-        got = answers(servers["tp1"].url, model, random_prompts(seed=44, n=2))
-        failed = count(servers["D1"].metrics(), "rooms", label="failed") - before
-        print(f"\n[sglang tp] D1 (TP 1): {failed:.0f} rooms failed; answers {[a[:200] for a in got]}")
-        assert all(a.startswith("<") for a in got), got
-        assert failed >= 2
+        n = 8
+        before = {name: servers[name].metrics() for name in ("P", "D1")}
+        assert _differ(fleet, seed=44, n=n, router="tp1")[0] == []
+        after = {name: servers[name].metrics() for name in ("P", "D1")}
+        ended = {(name, label): count(after[name], "rooms", label=label) - count(before[name], "rooms", label=label)
+                 for name in ("P", "D1") for label in ("success", "failed")}
+        print(f"\n[sglang tp] P (TP 2) -> D1 (TP 1): rooms {ended}")
+        # every room on both of P's ranks and on D1's one rank (it waits for both parts)
+        assert ended[("P", "success")] >= 2 * n and ended[("D1", "success")] >= n, ended
+        assert ended[("P", "failed")] == ended[("D1", "failed")] == 0, ended
         with open(servers["D1"].log_path) as f:
-            assert MISMATCH in f.read()
+            assert "moved by KV head (2 of 2)" in f.read()
+
+        sabotage.set("misplace_heads")  # D1's check of the destination is on
+        try:
+            got = answers(servers["tp1"].url, model, random_prompts(seed=45, n=2))
+        finally:
+            sabotage.set()
+        refused = count(servers["D1"].metrics(), "misaddressed_rooms") - count(after["D1"], "misaddressed_rooms")
+        print(f"[sglang tp] misplace_heads, checked: {refused:.0f} rooms refused; {[a[:80] for a in got]}")
+        assert refused >= 2 and all(a.startswith("<") for a in got), (refused, got)
+        pages_come_back(servers, ["D1", "P"])
+        router_serves_again(servers, model, router="tp1")
+
+        sabotage.set("misplace_heads", "unchecked")
+        try:
+            differ, got = _differ(fleet, seed=46, router="tp1")
+        finally:
+            sabotage.set()
+        print(f"[sglang tp] misplace_heads, unchecked: prompts {differ} of 8 differ")
+        assert len(differ) >= 6, f"only prompts {differ} of 8 answered differently"
+        assert len([i for i in differ if not got[i].startswith("<")]) >= 3, got
         pages_come_back(servers, ["D1", "P"])
     finally:  # its health checks would load the machine for the rest of the module
         servers["tp1"].stop()

@@ -1,7 +1,8 @@
 """The SGLang backend's parts that need no SGLang, in this environment: its fleet key
 (the settings: the key, and no server reachable beyond its host without one; the
 signing of its ZMQ messages, integrations/sglang/signing.py), what it refuses
-(support.py), the check of a restarted prefill server (prefill_restarts.py) and the ids
+(support.py), the KV heads each rank sends and expects with
+unequal attention TP (heads.py), the check of a restarted prefill server (prefill_restarts.py) and the ids
 of a room's transfers (transfers.py).
 tests/test_sglang_pd.py runs them in real SGLang servers, a prefill server with another
 key among them."""
@@ -9,12 +10,16 @@ import json
 import logging
 from types import SimpleNamespace as NS
 
+import numpy as np
 import pytest
+import torch
 
 from torch_kvops.integrations.sglang.prefill_restarts import cached_endpoints, prefill_restarted
 from torch_kvops.integrations.sglang.settings import CONFIG_ENV, KvopsSglangSettings
 from torch_kvops.integrations.sglang.signing import MessageSigner, SignedAborts
-from torch_kvops.integrations.sglang.support import check_supported, tp_mismatch
+from torch_kvops.heads import rank_heads
+from torch_kvops.integrations.sglang.heads import RankHeads
+from torch_kvops.integrations.sglang.support import check_supported
 from torch_kvops.integrations.sglang.transfers import Destination, room_of, transfer_id
 
 from conftest import FLEET_KEY as KEY  # key_file (the fixture) holds it
@@ -40,13 +45,55 @@ def test_what_the_backend_does_not_move_yet_is_refused_at_start_up():
         check_supported(NS(), NS(device="cpu", tp_size=2, pp_size=2, attn_dp_size=2))
 
 
-def test_rooms_between_unequal_attention_tp_sizes_move_only_for_mla():
-    """An MHA rank holds its share of the heads: only equal sizes line up. An MLA rank
-    holds the whole latent. tests/test_sglang_tp.py runs the refusal in real servers."""
-    assert tp_mismatch(2, 2, latent=False) == "" and tp_mismatch(1, 4, latent=True) == ""
-    assert tp_mismatch(2, 1, latent=False) == (
-        "the kvops backend moves KV between equal attention TP sizes only (MLA: any): "
-        "prefill attention TP 2, decode 1")
+def _pool(tokens: int, heads: RankHeads, full: torch.Tensor) -> torch.Tensor:
+    """A rank's K buffer as SGLang lays it out (``[tokens, local heads, head_dim]``),
+    holding its heads of ``full`` (``[tokens, total heads, head_dim]``)."""
+    held = rank_heads(heads.total, heads.tp_size, heads.rank)
+    return full[:, held.start:held.stop].contiguous()
+
+
+@pytest.mark.parametrize("total,prefill_tp,decode_tp", [
+    (2, 2, 1), (2, 1, 2), (8, 4, 2), (8, 2, 4), (8, 2, 2), (2, 4, 1), (2, 1, 4), (4, 8, 2)])
+def test_head_parts_land_each_decode_ranks_heads_where_its_pool_holds_them(total, prefill_tp, decode_tp):
+    """Every prefill rank's parts, copied unit by unit through the views the backend
+    registers, fill each decode rank's pool exactly with its heads, and the decode rank
+    expects exactly the parts and units the prefill ranks send (ids both sides derive).
+    Fewer KV heads than ranks: replicas on other prefill ranks send nothing."""
+    page, pages, dim = 4, 6, 3
+    full = torch.randn(pages * page, total, dim)
+    senders = [RankHeads(total, prefill_tp, r, page) for r in range(prefill_tp)]
+    sources = [_pool(pages * page, h, full) for h in senders]
+    src_pages, dst_pages = [0, 1, 2], [5, 3, 4]  # a room's pages on either side
+    for d in range(decode_tp):
+        receiver = RankHeads(total, decode_tp, d, page)
+        pool = torch.zeros(pages * page, receiver.local, dim)
+        dst_units = receiver.unit_views([pool.view(pages, -1).view(torch.uint8)])[0]
+        expected = receiver.expected(77, "dsession", dst_pages, prefill_tp)
+        sent = {}
+        for h, source in zip(senders, sources):
+            part = h.plan_to(decode_tp, d)
+            if part is None:
+                continue
+            dest = Destination("peer", "tcp://d:1", np.asarray(dst_pages), 0, "dsession", h, part)
+            request = dest.request(77, src_pages, slice(0, 3), last=True)
+            sent[request.req_id] = request.dst_blocks
+            src_units = h.unit_views([source.view(pages, -1).view(torch.uint8)])[0]
+            dst_units[request.dst_blocks] = src_units[request.src_blocks]
+        assert sent == expected and all(room_of(t) == 77 for t in sent)
+        held = rank_heads(total, decode_tp, d)
+        for src_page, dst_page in zip(src_pages, dst_pages):
+            want = full[src_page * page:(src_page + 1) * page, held.start:held.stop]
+            assert torch.equal(pool[dst_page * page:(dst_page + 1) * page], want)
+        untouched = [p for p in range(pages) if p not in dst_pages]
+        assert not pool.view(pages, -1)[untouched].any()
+
+
+def test_attention_tp_sizes_that_do_not_split_the_heads_are_refused_with_the_reason():
+    heads = RankHeads(4, 2, 0, 16)
+    assert heads.tp_problem(1) == heads.tp_problem(4) == heads.tp_problem(8) == ""
+    assert heads.tp_problem(3) == "attention TP 3 against 2 here: 4 KV heads do not divide over 3 ranks"
+    with pytest.raises(ValueError, match="do not split into 16 tokens of 2 KV heads"):
+        heads.unit_views([torch.zeros(2, 100, dtype=torch.uint8)])
 
 
 def test_a_signed_message_opens_only_whole_and_under_the_same_key():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
-from torch_kvops.integrations.vllm.tp import expected_parts, part_id, plan_parts, rank_heads
+from torch_kvops.heads import expected_parts, part_id, plan_parts, rank_heads
 from torch_kvops.testing.consumer_process import ConsumerProcess
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEAD_DIM, KV_HEADS = 2, 8, 4, 8, 4

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from torch_kvops.integrations.vllm.tp import (check_tp, latent_expected_parts, latent_parts,
-                                              latent_segment, part_id)
+from torch_kvops.heads import part_id
+from torch_kvops.integrations.vllm.tp import check_tp, latent_expected_parts, latent_parts, latent_segment
 
 
 @pytest.mark.parametrize("total,p_tp,d_tp", list(itertools.product(range(0, 10), [1, 2, 3, 4], [1, 2, 4])))

@@ -6,8 +6,8 @@ import itertools
 import pytest
 import torch
 
-from torch_kvops.integrations.vllm.tp import (HeadSlice, check_tp, expected_parts, part_id,
-                                              plan_parts, rank_heads, source_rank)
+from torch_kvops.heads import HeadSlice, expected_parts, part_id, plan_parts, rank_heads, source_rank
+from torch_kvops.integrations.vllm.tp import check_tp
 
 BLOCKS, BLOCK_SIZE, HEAD = 6, 4, 8
 

@@ -79,6 +79,11 @@ class DecodePeers:
         if start:
             self._pool.submit(self._connect, session)
 
+    def registration(self, session: str) -> Optional[dict]:
+        """The peer_info ``session`` last registered (None: never)."""
+        with self._lock:
+            return self._infos.get(session)
+
     def peer(self, session: str, msg: List[bytes]) -> Optional[str]:
         """Receive thread, for a room message of ``session``: its peer id; ``HELD`` if
         its link is being made (the room is handled when the attempt ends); None if the

@@ -1,6 +1,7 @@
 """Every SGLang name the ``kvops`` backend relies on, in one place, read from SGLang
 0.5.23 (``disaggregation/base/conn.py``, ``common/conn.py``, ``common/utils.py``,
-``utils.py``, ``arg_groups/choices.py``, ``plugins/hook_registry.py``).
+``utils.py``, ``arg_groups/choices.py``, ``plugins/hook_registry.py``,
+``configs/model_config.py``).
 
 :func:`check` compares the installed SGLang with what was read: the version, and the
 signatures of the methods the backend overrides or calls. It runs when the plugin
@@ -15,6 +16,7 @@ from typing import Dict, List, Set, Tuple
 import sglang
 from sglang.srt.arg_groups.choices import (DISAGG_TRANSFER_BACKEND_CHOICES,
                                            add_disagg_transfer_backend_choices)
+from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (ABORT_TAG, AbortNotification,
                                                    CommonKVBootstrapServer, CommonKVManager,
@@ -49,7 +51,7 @@ __all__ = ["ABORT_TAG", "AbortNotification", "CommonKVBootstrapServer", "CommonK
            "DisaggregationMode", "HookRegistry", "HookType", "KVArgs", "KVClassType", "KVPoll",
            "TransferBackend", "add_disagg_transfer_backend_choices", "check", "READ_FROM",
            "BOOTSTRAP_QUEUE_ADD", "MODEL_FORWARD", "KV_WRITES", "PREFILL_MANAGER_ATTRIBUTES",
-           "DECODE_MANAGER_ATTRIBUTES", "RECEIVER_ATTRIBUTES", "check_attributes"]
+           "DECODE_MANAGER_ATTRIBUTES", "RECEIVER_ATTRIBUTES", "check_attributes", "total_kv_heads"]
 
 # method -> the parameters (in order, after self) the backend passes or receives
 SIGNATURES: Dict[str, List[str]] = {
@@ -83,7 +85,7 @@ SIGNATURES: Dict[str, List[str]] = {
 }
 # attributes of a CommonKVManager instance the backend reads: in both roles, and in one
 MANAGER_ATTRIBUTES = ("kv_args", "local_ip", "rank_port", "server_socket", "request_status",
-                      "attn_tp_size", "is_mla_backend")
+                      "attn_tp_size", "attn_tp_rank", "is_mla_backend")
 PREFILL_MANAGER_ATTRIBUTES = MANAGER_ATTRIBUTES + ("transfer_infos", "req_to_decode_prefix_len")
 DECODE_MANAGER_ATTRIBUTES = MANAGER_ATTRIBUTES + ("connection_lock", "addr_to_rooms_tracker",
                                                   "connection_pool", "prefill_info_table")
@@ -93,6 +95,12 @@ RECEIVER_ATTRIBUTES = ("kv_mgr", "bootstrap_room", "conclude_state", "prefill_in
 PREFILL_INFO_FIELDS = ("attn_tp_size", "target_tp_ranks")
 # KVPoll values the backend reports
 POLL_STATES = ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")
+
+
+def total_kv_heads(server_args) -> int:
+    """The model's KV heads over all attention TP ranks (a decode manager's ``KVArgs``
+    lacks them: SGLang sets them there only for its staging buffers, after the manager)."""
+    return ModelConfig.from_server_args(server_args).get_total_num_kv_heads()
 
 
 def check() -> None:
@@ -135,6 +143,9 @@ def check() -> None:
     info_fields = getattr(PrefillServerInfo, "__dataclass_fields__", {})
     problems += [f"PrefillServerInfo.{name} is gone" for name in PREFILL_INFO_FIELDS
                  if name not in info_fields]
+    if not callable(getattr(ModelConfig, "get_total_num_kv_heads", None)) \
+            or "server_args" not in inspect.signature(ModelConfig.from_server_args).parameters:
+        problems.append("ModelConfig.from_server_args(server_args).get_total_num_kv_heads() is gone")
     if not isinstance(DISAGG_TRANSFER_BACKEND_CHOICES, list):
         problems.append("DISAGG_TRANSFER_BACKEND_CHOICES is no longer a list")
     if problems:

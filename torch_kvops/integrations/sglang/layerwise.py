@@ -114,9 +114,7 @@ class LayerwisePrefill:
             p = self.page_size
             src = (req_to_token[row, start:end:p] // p).tolist()
             first, stop = start // p, -(-end // p)
-            requests += [TransferRequest(dest.transfer(tracked.room), dest.peer, src,
-                                         dest.pages[first:stop].tolist(), last_chunk=last)
-                         for dest in destinations]
+            requests += [dest.request(tracked.room, src, slice(first, stop), last) for dest in destinations]
             with self._lock:
                 tracked.pushed_tokens = end
                 self._pushed_pages[tracked.room] = stop

@@ -41,6 +41,7 @@ from ...transports import MooncakeTransport, TransportError
 from . import internals as sgl
 from .decode_peers import HELD, DecodePeers, room_endpoint
 from .decode_rooms import DecodeRooms
+from .heads import RankHeads, moved_by
 from .layerwise import LayerwisePrefill
 from .metrics import Counts
 from .owed_notices import STILL_OWED, renew_owed_rooms, tell_owed_rooms
@@ -50,7 +51,7 @@ from .push_queue import METADATA_ROW, PushQueue
 from .settings import KvopsSglangSettings
 from .signing import MessageSigner
 from .support import check_supported
-from .transfers import Destination, room_of, transfer_id
+from .transfers import Destination, destination, expected_parts, room_of
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,10 @@ class KvopsKVManager(sgl.CommonKVManager):
         self.settings.check_exposure(self.local_ip)
         fleet_key = self.settings.fleet_key()
         self.signer = MessageSigner(fleet_key)
-        self.caches = page_views(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
+        self.heads = None if is_mla_backend else RankHeads(
+            sgl.total_kv_heads(server_args), self.attn_tp_size, self.attn_tp_rank, args.page_size)
+        pages = page_views(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
+        self.caches = pages if self.heads is None else self.heads.unit_views(pages)
         self.transport = MooncakeTransport(host=self.local_ip, protocol=self.settings.protocol,
                                            device_name=self.settings.device_name)
         try:
@@ -108,13 +112,14 @@ class KvopsKVManager(sgl.CommonKVManager):
             # run it): one that stops answering loses its cached connection details, so
             # a restarted prefill server is looked up afresh (_handle_node_failure)
             self._start_heartbeat_checker_thread()
-        log.info("kvops %s rank %s: %d KV buffers of %d pages", "prefill" if self.prefill
-                 else "decode", self.kv_args.engine_rank, len(self.caches), self.caches[0].size(0))
+        log.info("kvops %s rank %s: %d KV buffers of %d pages, moved by %s", "prefill" if self.prefill
+                 else "decode", self.kv_args.engine_rank, len(pages), pages[0].size(0), moved_by(self.heads))
 
     # ------------------------------------------------------------- decode -> prefill
 
     def build_receiver_registration_message(self) -> List[bytes]:
-        info = self.conn.peer_info()
+        info = dict(self.conn.peer_info(), sglang_heads=None if self.heads is None else
+                    {"total": self.heads.total, "tp_size": self.heads.tp_size, "rank": self.heads.rank})
         return self.signer.sign([REGISTRATION, self.local_ip.encode(), str(self.rank_port).encode(),
                                  info["engine_id"].encode(), json.dumps(info).encode()])
 
@@ -189,8 +194,13 @@ class KvopsKVManager(sgl.CommonKVManager):
                 self.record_failure(room, f"decode rank {session} never registered")
                 self.update_status(room, sgl.KVPoll.Failed)
                 return
-            infos[session] = Destination(peer, endpoint, np.frombuffer(msg[4], dtype=np.int32),
-                                         int(msg[5]), session)
+            try:
+                theirs = self.decode_peers.registration(session) or {}
+                infos[session] = destination(self.heads, theirs.get("sglang_heads"), peer, endpoint,
+                                             np.frombuffer(msg[4], dtype=np.int32), int(msg[5]), session)
+            except ValueError as exc:
+                self.fail(room, str(exc))
+                return
         else:
             infos[session] = None
         if len(infos) == required:
@@ -250,14 +260,18 @@ class KvopsKVManager(sgl.CommonKVManager):
 
     # ------------------------------------------------------------- decode side
 
-    def expect(self, room: int, pages, aux_index: int) -> None:
+    def expect(self, room: int, pages, aux_index: int, prefill_tp: int) -> None:
         """Decode: the engine gave the room ``pages`` and a metadata row (before the
-        destination message goes out). The prefill may write those pages only."""
-        self.rooms.expect(room, aux_index)
-        blocks = np.asarray(pages, dtype=np.int64).tolist()
-        if not self.conn.expect(transfer_id(room, self.conn.engine_id), blocks=blocks):
-            self.fail(room, f"room {room} was already transferred here once (a room id is "
-                             "used once)")
+        destination message goes out). The prefill may write those pages only: whole
+        (MLA), or per prefill rank of attention TP ``prefill_tp`` that sends heads
+        here, those heads of their tokens (MHA, :mod:`.heads`)."""
+        parts = expected_parts(self.heads, room, self.conn.engine_id, pages, prefill_tp)
+        self.rooms.expect(room, aux_index, list(parts))
+        for part, units in parts.items():
+            if not self.conn.expect(part, blocks=units):
+                self.fail(room, f"room {room} was already transferred here once (a room id is "
+                                 "used once)")
+                return
 
     def give_up(self, room: int) -> None:
         """Decode: the engine aborts the room. Its pages stay out of the engine's hands
@@ -316,9 +330,12 @@ class KvopsKVManager(sgl.CommonKVManager):
                 if self.prefill:
                     self.prefill_part_done(room_of(transfer), transfer)
                 else:
-                    self.rooms.landed(room_of(transfer))
+                    self.rooms.part_ended(room_of(transfer), transfer)
             for transfer in failed:
-                self.fail(room_of(transfer), "the kvops transfer failed (see the connector's log)")
+                reason = "the kvops transfer failed (see the connector's log)"
+                # decode: a room of several parts fails once none of them can write
+                if self.prefill or not self.rooms.part_ended(room_of(transfer), transfer, reason):
+                    self.fail(room_of(transfer), reason)
 
     def _decode_success(self, room: int) -> None:
         self.counts.add("kvops_sglang_rooms", 1, "success")

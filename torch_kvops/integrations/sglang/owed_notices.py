@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Dict, List
 import zmq
 
 from . import internals as sgl
-from .transfers import transfer_id
 
 if TYPE_CHECKING:
     from .manager import KvopsKVManager
@@ -45,5 +44,5 @@ def renew_owed_rooms(manager: "KvopsKVManager", frame: bytes) -> None:
     rooms = json.loads(frame)
     if not isinstance(rooms, list) or not all(isinstance(r, int) for r in rooms):
         raise ValueError("a list of owed rooms that is not a list of room ids")
-    renewed = [r for r in rooms if manager.conn.renew(transfer_id(r, manager.conn.engine_id))]
+    renewed = [r for r in rooms if any([manager.conn.renew(part) for part in manager.rooms.parts(r)])]
     manager.counts.add("kvops_sglang_lease_renewals", len(renewed))

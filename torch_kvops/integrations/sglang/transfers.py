@@ -1,11 +1,17 @@
 """A room's transfers: one per decode rank that room goes to (with MLA and fewer
-prefill ranks than decode ranks, one prefill rank pushes the whole latent to each),
+prefill ranks than decode ranks, one prefill rank pushes the whole latent to each; with
+MHA, each prefill rank its heads to each decode rank that holds them: :mod:`.heads`),
 each under a connector id of its own that both sides derive."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+
+from ...heads import PartPlan
+from ...plan import TransferRequest
+from .heads import RankHeads, page_tokens
 
 
 def transfer_id(room: int, decode_session: str) -> str:
@@ -27,6 +33,44 @@ class Destination:
     pages: np.ndarray  # its page ids for the room, in token order
     aux_index: int
     session: str  # that rank's connector engine id
+    heads: Optional[RankHeads] = None  # MHA: this prefill rank's heads (MLA: moved by page)
+    part: Optional[PartPlan] = None  # MHA: the heads it sends that decode rank
 
     def transfer(self, room: int) -> str:
-        return transfer_id(room, self.session)
+        if self.part is None:
+            return transfer_id(room, self.session)
+        return self.heads.part(room, self.session, self.part.decode_rank)
+
+    def request(self, room: int, src_pages: Sequence[int], dst: slice, last: bool) -> TransferRequest:
+        """The transfer of ``src_pages`` into this destination's pages ``dst``: whole
+        pages (MLA), or the part's heads of each of their tokens (MHA)."""
+        dst_pages = self.pages[dst]
+        if self.part is None:
+            return TransferRequest(self.transfer(room), self.peer, list(src_pages), dst_pages.tolist(),
+                                   last_chunk=last)
+        size = self.heads.page_size
+        src, dst_units = self.part.units(page_tokens(src_pages, size), page_tokens(dst_pages, size))
+        return TransferRequest(self.transfer(room), self.peer, src, dst_units, last_chunk=last)
+
+
+def destination(heads: Optional[RankHeads], theirs: Optional[dict], peer: str, endpoint: str,
+                pages: np.ndarray, aux_index: int, session: str) -> Optional[Destination]:
+    """Prefill: a decode rank's destination of a room. ``heads``: this rank's (None:
+    MLA); ``theirs``: the heads the decode rank registered with. None where a replica
+    on a lower prefill rank sends that rank's heads (replicated KV heads)."""
+    if heads is None:
+        return Destination(peer, endpoint, pages, aux_index, session)
+    if not isinstance(theirs, dict) or theirs.get("total") != heads.total:
+        raise ValueError(f"decode rank {session} holds KV heads {theirs}; this model has {heads.total}")
+    part = heads.plan_to(int(theirs["tp_size"]), int(theirs["rank"]))
+    return None if part is None else Destination(peer, endpoint, pages, aux_index, session, heads, part)
+
+
+def expected_parts(heads: Optional[RankHeads], room: int, session: str, pages: Sequence[int],
+                   prefill_tp: int) -> Dict[str, List[int]]:
+    """Decode: per transfer of ``room`` to this rank (engine id ``session``), the units
+    it may write: whole pages (MLA), or per prefill rank of attention TP
+    ``prefill_tp`` that sends heads here, those heads of the pages' tokens (MHA)."""
+    if heads is None:
+        return {transfer_id(room, session): np.asarray(pages, dtype=np.int64).tolist()}
+    return heads.expected(room, session, pages, prefill_tp)

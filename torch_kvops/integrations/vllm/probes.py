@@ -45,7 +45,7 @@ def worker_kv(worker, block_ids: List[int], num_tokens: int) -> dict:
     one replica (``"latent": True``). Other layouts are returned whole."""
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-    from .tp import rank_heads
+    from ...heads import rank_heads
 
     config = worker.vllm_config
     latent = config.model_config.use_mla

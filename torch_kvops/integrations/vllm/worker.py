@@ -15,7 +15,7 @@ from ...transports import MooncakeTransport
 from .metadata import KvopsConnectorMetadata, KvopsSettings
 from .kv_layout import HEAD_MAJOR, in_physical_order
 from .metrics import KvopsConnectorStats, StatsCollector
-from .tp import rank_heads
+from ...heads import rank_heads
 
 log = logging.getLogger(__name__)
 

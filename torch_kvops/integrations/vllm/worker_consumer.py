@@ -9,8 +9,9 @@ import time
 from collections import OrderedDict
 from typing import Dict, List, Set, Tuple
 
+from ...heads import expected_parts, part_id
 from .metadata import KvopsConnectorMetadata, KvopsSettings
-from .tp import expected_parts, latent_expected_parts, part_id
+from .tp import latent_expected_parts
 from .worker import KvopsWorker
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,11 @@ import time
 from collections import deque
 from typing import Dict, List, Optional, Set, Tuple
 
+from ...heads import part_id, plan_parts
 from ...plan import TransferRequest
 from .links import DecodeLinks
 from .metadata import KvopsConnectorMetadata, KvopsSettings
-from .tp import latent_parts, part_id, plan_parts
+from .tp import latent_parts
 from .worker import KvopsWorker
 
 log = logging.getLogger(__name__)
