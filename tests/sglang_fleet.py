@@ -35,10 +35,10 @@ SETTLE_S = 180.0  # a fault's pages come back within: lease + fence + SGLang's t
 ROUTER_CHECKS = ["--health-check-interval-secs", "5", "--cb-timeout-duration-secs", "10"]
 
 
-def fleet_env(tmp: str, *standins: str) -> Dict[str, str]:
+def fleet_env(tmp: str, *standins: str, **settings) -> Dict[str, str]:
     """The environment of every server of a test fleet: the test plugins (``standins``:
     as ``sglang_sabotage.serving_env``), the fleet key (a file in ``tmp``), D's ``mac``
-    integrity check and lease, and SGLang's waits."""
+    integrity check and lease, SGLang's waits, and more of the backend's ``settings``."""
     # SGLang's own waits for a peer that never comes (300 s each by default): a
     # prefill server whose decode server died gives its rooms up after 60 s
     return dict(serving_env(os.path.join(tmp, "plugin"), *standins),
@@ -50,7 +50,7 @@ def fleet_env(tmp: str, *standins: str) -> Dict[str, str]:
                 SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="1000",
                 KVOPS_FLEET_KEY_FILE=key_file(tmp, "fleet.key"),
                 KVOPS_SGLANG_CONFIG=json.dumps({"owed_notice_s": OWED_NOTICE_S, "connector": {
-                    "lease_s": LEASE_S, "integrity_check": "mac"}}))
+                    "lease_s": LEASE_S, "integrity_check": "mac"}, **settings}))
 
 
 @contextlib.contextmanager

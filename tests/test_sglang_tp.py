@@ -5,7 +5,8 @@ monolithic SGLang server with the same TP (its reductions in the same order).
 Each prefill rank holds its share of the KV heads and pushes them to the decode ranks
 SGLang's rank mapping names (equal attention TP: the same rank), over its own connector
 and Mooncake engine; a decode server of TP 1 takes one head from each prefill rank
-(integrations/sglang/heads.py).
+(``"mha_unit": "head"`` on every server: integrations/sglang/heads.py). MHA by page
+(the default) between unequal sizes is refused: tests/test_sglang_units.py.
 
 Stand-ins (test-only, labelled in tests/sglang_standin): the two CPU kernels of
 sgl_kernel, and PyNccl turned off for SGLang's CPU groups (SGLang 0.5.23 asks a CPU
@@ -30,7 +31,7 @@ TP2 = ["--tp-size", "2"]
 @pytest.fixture(scope="module")
 def fleet():
     with workspace("kvops-sglang-tp") as (tmp, model, log_dir, sabotage):
-        env = fleet_env(tmp, "cpu_tp_groups")
+        env = fleet_env(tmp, "cpu_tp_groups", mha_unit="head")  # P's heads go to D (TP 2) and D1 (TP 1)
         tp2 = dict(env=dict(env, SGLANG_CPU_OMP_THREADS_BIND="0|1"), page_size=PAGE_SIZE)
         with Servers(log_dir) as servers:
             p = servers.add(SglangServerSpec("P", model, role="prefill",

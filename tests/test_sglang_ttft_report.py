@@ -43,3 +43,18 @@ def test_a_wrong_answer_a_decode_prefill_or_no_overlap_invalidates_the_run():
     (prefilled,) = check(_saved(decode_prefill=5.0))
     assert prefilled.startswith("kvops cycle 0: D computed prompt tokens")
     assert check(_saved(landed=0.0)) == ["kvops cycle 0: no layer landed during P's forward"]
+
+
+def test_a_run_with_kvops_by_head_reports_it_beside_kvops_by_page():
+    saved = _saved()
+    saved["records"] += [{"setup": "kvops-head", "cycle": 0, "tokens": 1000, "prompt": i, "ttft_s": 2.4 + i / 10,
+                          "answer": "a b"} for i in range(3)]
+    saved["records"].append({"setup": "kvops-head", "cycle": 0, "counters": {
+        "decode_prefill_tokens": 0.0, "layers": 32.0, "layers_landed_during_forward": 0.0}})
+    (row,) = summarize(saved)
+    assert row["kvops-head_s"] == pytest.approx(2.5)
+    assert row["kvops-head_below_mooncake"] == pytest.approx(1 - 2.5 / 3.1)
+    table = render([row])
+    assert "| P/D kvops layer-wise s | P/D kvops by head s | bound s |" in table
+    assert "| 2.30 [2.20, 2.40] | 2.50 [2.40, 2.60] | 2.10 | 1.10 | 26% | +0.80 | 1.19 | 19% | +0.60 |" in table
+    assert check(saved) == ["kvops-head cycle 0: no layer landed during P's forward"]

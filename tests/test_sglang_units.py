@@ -19,7 +19,7 @@ from torch_kvops.integrations.sglang.settings import CONFIG_ENV, KvopsSglangSett
 from torch_kvops.integrations.sglang.signing import MessageSigner, SignedAborts
 from torch_kvops.heads import rank_heads
 from torch_kvops.integrations.sglang.heads import RankHeads
-from torch_kvops.integrations.sglang.support import check_supported
+from torch_kvops.integrations.sglang.support import check_supported, tp_problem
 from torch_kvops.integrations.sglang.transfers import Destination, room_of, transfer_id
 
 from conftest import FLEET_KEY as KEY  # key_file (the fixture) holds it
@@ -88,8 +88,17 @@ def test_head_parts_land_each_decode_ranks_heads_where_its_pool_holds_them(total
         assert not pool.view(pages, -1)[untouched].any()
 
 
-def test_attention_tp_sizes_that_do_not_split_the_heads_are_refused_with_the_reason():
+def test_attention_tp_sizes_the_backend_does_not_move_between_are_refused_with_the_reason():
+    """By page (the default), MHA moves between equal sizes only, and the reason names
+    the setting that moves it by head; by head, between sizes that split the heads; MLA
+    between any sizes."""
+    assert tp_problem(False, None, 2, 2) == tp_problem(True, None, 1, 4) == ""
+    assert tp_problem(False, None, 2, 1) == (
+        "the kvops backend moves MHA KV by page between equal attention TP sizes only (prefill 2, "
+        "decode 1): set \"mha_unit\": \"head\" in $KVOPS_SGLANG_CONFIG on every server of the fleet")
     heads = RankHeads(4, 2, 0, 16)
+    assert tp_problem(False, heads, 1, 2) == tp_problem(False, heads, 4, 2) == ""
+    assert tp_problem(False, heads, 3, 2) == heads.tp_problem(3)
     assert heads.tp_problem(1) == heads.tp_problem(4) == heads.tp_problem(8) == ""
     assert heads.tp_problem(3) == "attention TP 3 against 2 here: 4 KV heads do not divide over 3 ranks"
     with pytest.raises(ValueError, match="do not split into 16 tokens of 2 KV heads"):
@@ -229,3 +238,10 @@ def test_a_room_pushed_to_two_decode_ranks_is_two_transfers_both_sides_name_alik
     ids = [d.transfer(room) for d in ranks]
     assert ids == [transfer_id(room, "a1b2c3d4e5f6"), transfer_id(room, "0f1e2d3c4b5a")]
     assert len(set(ids)) == 2 and [room_of(t) for t in ids] == [room, room]
+
+
+def test_mha_unit_is_page_by_default_and_a_bad_value_fails_at_start_up(monkeypatch):
+    assert _settings(monkeypatch).mha_unit == "page"
+    assert _settings(monkeypatch, mha_unit="head").mha_unit == "head"
+    with pytest.raises(ValueError, match=r"mha_unit 'token' is not one of \('page', 'head'\)"):
+        _settings(monkeypatch, mha_unit="token")

@@ -8,7 +8,9 @@ The run re-runs itself inside a network namespace whose loopback is shaped to ``
 (torch_kvops/emulated_link.py; needs root), so P's KV crosses the shaped link. Three
 setups, each ``python -m sglang.launch_server`` on CPU (SGLang 0.5.23 from
 ``make setup-sglang``): ``mono`` (one server), ``kvops`` and ``mooncake`` (P, D and
-sglang-router in P/D mode). An idle SGLang scheduler polls its sockets without sleeping
+sglang-router in P/D mode); with ``--setups mono,kvops,kvops-head,mooncake`` also
+``kvops-head``, the ``kvops`` backend moving MHA KV by head (``"mha_unit": "head"``), to
+price that against whole pages. An idle SGLang scheduler polls its sockets without sleeping
 (a core each), so one setup runs at a time; the setups alternate in order over
 ``--cycles`` starts each. Every request is a prompt of its own (no prefix cache hit),
 streamed; TTFT = the client's send -> the first token's chunk. Every answer is checked
@@ -45,7 +47,13 @@ from ..serving.servers import Servers
 from ..serving.sglang import REPO, SglangRouterSpec, SglangServerSpec
 from .serving_sweep import kv_bytes_per_token
 
-SETUPS = ("mono", "kvops", "mooncake")
+SETUPS = ("mono", "kvops", "mooncake")  # the default run
+# kvops-head: the kvops backend moving MHA KV by head ("mha_unit": "head"), to price it
+# against whole pages in the same run
+KNOWN_SETUPS = ("mono", "kvops", "kvops-head", "mooncake")
+LAYERWISE = ("kvops", "kvops-head")
+LABEL = {"mono": "TTFT monolithic s", "mooncake": "P/D mooncake s", "kvops": "P/D kvops layer-wise s",
+         "kvops-head": "P/D kvops by head s"}
 CPU_MOONCAKE_PLUGIN = '''def install():
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
     MooncakeKVSender.supports_host_tensor_indices = False  # else a torch.cuda.Event on P
@@ -67,10 +75,17 @@ def parse_args(argv: Optional[List[str]]):
     ap.add_argument("--threads", type=int, default=1, help="torch threads per server")
     ap.add_argument("--standin", default=os.path.join(REPO, "tests", "sglang_standin"),
                     help="directory of the test-only sgl_kernel stand-in")
+    ap.add_argument("--setups", default=",".join(SETUPS),
+                    help=f"comma-separated, of {','.join(KNOWN_SETUPS)} (mono and mooncake needed)")
     ap.add_argument("--out", default="sglang-ttft.json")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--link-timeout", type=float, default=3 * 3600.0)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    named = args.setups.split(",")
+    args.setups = tuple(s for s in KNOWN_SETUPS if s in named)
+    if set(named) - set(KNOWN_SETUPS) or "mono" not in args.setups or "mooncake" not in args.setups:
+        ap.error(f"--setups: of {KNOWN_SETUPS}, with mono and mooncake")
+    return args
 
 
 def stream_ttft(url: str, model: str, prompt: str, new_tokens: int, timeout: float = 300.0):
@@ -101,14 +116,17 @@ def add_setups(servers: Servers, model: str, args, plugin_dir: str) -> Dict[str,
     env = {"PYTHONPATH": args.standin, "OMP_NUM_THREADS": str(args.threads)}
     cpu_mooncake = dict(env, PYTHONPATH=os.pathsep.join([plugin_dir, args.standin]))
     same = dict(page_size=16, max_total_tokens=8192)
+    by_head = dict(env, KVOPS_SGLANG_CONFIG=json.dumps({"mha_unit": "head"}))
+    envs = {"kvops": env, "kvops-head": by_head, "mooncake": cpu_mooncake}
     fleets = {"mono": [servers.add(SglangServerSpec("mono", model, env=env, **same))]}
-    for backend in ("kvops", "mooncake"):
-        p = servers.add(SglangServerSpec(f"{backend}-P", model, role="prefill", transfer_backend=backend,
-                                         env=cpu_mooncake if backend == "mooncake" else env, **same))
-        d = servers.add(SglangServerSpec(f"{backend}-D", model, role="decode", transfer_backend=backend,
-                                         env=env, **same))
-        router = servers.add(SglangRouterSpec(f"{backend}-router", [p], [d]))
-        fleets[backend] = [p, d, router]
+    for setup in args.setups[1:]:
+        backend = "mooncake" if setup == "mooncake" else "kvops"
+        p = servers.add(SglangServerSpec(f"{setup}-P", model, role="prefill", transfer_backend=backend,
+                                         env=envs[setup], **same))
+        d = servers.add(SglangServerSpec(f"{setup}-D", model, role="decode", transfer_backend=backend,
+                                         env=envs[setup], **same))
+        router = servers.add(SglangRouterSpec(f"{setup}-router", [p], [d]))
+        fleets[setup] = [p, d, router]
     return fleets
 
 
@@ -158,7 +176,7 @@ def run_setup(name: str, fleet: List, servers: Servers, model: str, prompts: Dic
         p, d = (prometheus.fetch(s.url) for s in fleet[:2])
         counters = {"decode_prefill_tokens": prometheus.total(
             d, "sglang:prefill_effective_tokens_total", mode="input")}
-        if name == "kvops":
+        if name in LAYERWISE:
             counters.update({k: prometheus.total(p, f"kvops_sglang_{k}_total")
                              for k in ("layers", "layers_landed_during_forward")})
         records.append({"setup": name, "cycle": cycle, "counters": counters})
@@ -169,33 +187,41 @@ def run_setup(name: str, fleet: List, servers: Servers, model: str, prompts: Dic
 
 def summarize(saved: dict) -> List[dict]:
     timed = [r for r in saved["records"] if "ttft_s" in r]
+    setups = [s for s in KNOWN_SETUPS if any(r["setup"] == s for r in timed)]
     rows = []
     for n in sorted({r["tokens"] for r in timed}):
         ttft = {s: sorted(r["ttft_s"] for r in timed if r["setup"] == s and r["tokens"] == n)
-                for s in SETUPS}
+                for s in setups}
         med = {s: statistics.median(v) for s, v in ttft.items()}
         wire = n * saved["model"]["kv_bytes_per_token"] * 8 / saved["link_bit_s"]
         bound = max(med["mono"], med["mono"] / saved["model"]["num_hidden_layers"] + wire)
-        rows.append({"tokens": n, "kv_mib": n * saved["model"]["kv_bytes_per_token"] / 2**20,
-                     "wire_s": wire, "bound_s": bound,
-                     **{f"{s}_s": med[s] for s in SETUPS},
-                     **{f"{s}_range": [v[0], v[-1]] for s, v in ttft.items()},
-                     "kvops_over_bound": med["kvops"] / bound,
-                     "kvops_below_mooncake": 1 - med["kvops"] / med["mooncake"],
-                     "hidden_s": med["mooncake"] - med["kvops"]})
+        row = {"tokens": n, "kv_mib": n * saved["model"]["kv_bytes_per_token"] / 2**20,
+               "wire_s": wire, "bound_s": bound,
+               **{f"{s}_s": med[s] for s in setups},
+               **{f"{s}_range": [v[0], v[-1]] for s, v in ttft.items()}}
+        for s in (s for s in LAYERWISE if s in setups):
+            row.update({f"{s}_over_bound": med[s] / bound, f"{s}_below_mooncake": 1 - med[s] / med["mooncake"],
+                        f"{s}_hidden_s": med["mooncake"] - med[s]})
+        rows.append(row)
     return rows
 
 
 def render(rows: List[dict]) -> str:
-    lines = ["| prompt tokens | KV MiB | wire s | TTFT monolithic s | P/D mooncake s | P/D kvops layer-wise s "
-             "| bound s | kvops / bound | kvops below mooncake | mooncake - kvops s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """One table row per prompt length: medians [min, max] of each setup, then per
+    layer-wise setup its ratio to the bound and to mooncake."""
+    timed = [s for s in ("mono", "mooncake", *LAYERWISE) if f"{s}_s" in rows[0]]
+    ours = [s for s in LAYERWISE if s in timed]
+    head = (["prompt tokens", "KV MiB", "wire s"] + [LABEL[s] for s in timed] + ["bound s"]
+            + [c for s in ours for c in (f"{s} / bound", f"{s} below mooncake", f"mooncake - {s} s")])
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
-        cell = {s: f"{r[f'{s}_s']:.2f} [{r[f'{s}_range'][0]:.2f}, {r[f'{s}_range'][1]:.2f}]" for s in SETUPS}
-        lines.append(f"| {r['tokens']} | {r['kv_mib']:.0f} | {r['wire_s']:.2f} | {cell['mono']} | "
-                     f"{cell['mooncake']} | {cell['kvops']} | {r['bound_s']:.2f} | "
-                     f"{r['kvops_over_bound']:.2f} | {100 * r['kvops_below_mooncake']:.0f}% | "
-                     f"{r['hidden_s']:+.2f} |")
+        cells = [f"{r['tokens']}", f"{r['kv_mib']:.0f}", f"{r['wire_s']:.2f}"]
+        cells += [f"{r[f'{s}_s']:.2f} [{r[f'{s}_range'][0]:.2f}, {r[f'{s}_range'][1]:.2f}]" for s in timed]
+        cells.append(f"{r['bound_s']:.2f}")
+        for s in ours:
+            cells += [f"{r[f'{s}_over_bound']:.2f}", f"{100 * r[f'{s}_below_mooncake']:.0f}%",
+                      f"{r[f'{s}_hidden_s']:+.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -214,8 +240,8 @@ def check(saved: dict) -> List[str]:
     for r in (r for r in saved["records"] if "counters" in r):
         if r["counters"]["decode_prefill_tokens"]:
             problems.append(f"{r['setup']} cycle {r['cycle']}: D computed prompt tokens: {r['counters']}")
-        if r["setup"] == "kvops" and not r["counters"]["layers_landed_during_forward"]:
-            problems.append(f"kvops cycle {r['cycle']}: no layer landed during P's forward")
+        if r["setup"] in LAYERWISE and not r["counters"]["layers_landed_during_forward"]:
+            problems.append(f"{r['setup']} cycle {r['cycle']}: no layer landed during P's forward")
     return problems
 
 
@@ -244,7 +270,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 rng = random.Random(cycle)  # the same prompts for every setup of a cycle
                 prompts = {n: [random_prompt(n, args.vocab, rng) for _ in range(args.rounds)]
                            for n in lengths}
-                order = SETUPS if cycle % 2 == 0 else SETUPS[::-1]
+                order = args.setups if cycle % 2 == 0 else args.setups[::-1]
                 for name in order:
                     saved["records"] += run_setup(name, fleets[name], servers, model, prompts, args, cycle)
                     with open(args.out, "w") as f:

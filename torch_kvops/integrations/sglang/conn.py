@@ -6,6 +6,7 @@ from __future__ import annotations
 from . import internals as sgl
 from .manager import KvopsKVManager
 from .signing import SignedAborts
+from .support import tp_problem
 
 __all__ = ["KvopsKVBootstrapServer", "KvopsKVManager", "KvopsKVReceiver", "KvopsKVSender"]
 
@@ -28,15 +29,15 @@ class KvopsKVSender(sgl.CommonKVSender):
 class KvopsKVReceiver(sgl.CommonKVReceiver):
     """Decode side of one room. Once its destination went out, the room ends only
     with the connector's outcome: SGLang's own waiting timeout and an abort do not
-    hand its pages back while the prefill may still write them. A room from a prefill
-    server whose attention TP size does not split the KV heads fails at ``init``."""
+    hand its pages back while the prefill may still write them. A room between
+    attention TP sizes the backend does not move fails at ``init`` (:func:`tp_problem`)."""
 
     def init(self, prefill_dp_rank: int) -> None:
         super().init(prefill_dp_rank)
         if self.conclude_state is None:  # (prefill_info is set only then)
             sgl.check_attributes(self, sgl.RECEIVER_ATTRIBUTES)
-            heads = self.kv_mgr.heads  # MLA (None): the latent is whole on every rank
-            problem = heads.tp_problem(self.prefill_info.attn_tp_size) if heads is not None else ""
+            problem = tp_problem(self.kv_mgr.is_mla_backend, self.kv_mgr.heads,
+                                 self.prefill_info.attn_tp_size, self.kv_mgr.attn_tp_size)
             if problem:  # before a destination goes out: nothing is written here
                 self.kv_mgr.fail(self.bootstrap_room, problem)
                 self.conclude_state = sgl.KVPoll.Failed

@@ -74,7 +74,7 @@ class KvopsKVManager(sgl.CommonKVManager):
         self.settings.check_exposure(self.local_ip)
         fleet_key = self.settings.fleet_key()
         self.signer = MessageSigner(fleet_key)
-        self.heads = None if is_mla_backend else RankHeads(
+        self.heads = None if is_mla_backend or self.settings.mha_unit == "page" else RankHeads(
             sgl.total_kv_heads(server_args), self.attn_tp_size, self.attn_tp_rank, args.page_size)
         pages = page_views(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
         self.caches = pages if self.heads is None else self.heads.unit_views(pages)

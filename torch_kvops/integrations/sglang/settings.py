@@ -16,6 +16,7 @@ from ...control.fleet_key import FLEET_KEY_ENV, load_fleet_key
 log = logging.getLogger(__name__)
 
 CONFIG_ENV = "KVOPS_SGLANG_CONFIG"
+MHA_UNITS = ("page", "head")
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,12 @@ class KvopsSglangSettings:
     integrity check, timeouts); ``fleet_key_file`` (else ``$KVOPS_FLEET_KEY_FILE``):
     the key every server of the fleet shares (control-channel secrets derived from
     it, the backend's ZMQ messages signed with it: signing.py); ``allow_insecure``:
-    start a server reachable beyond its host without one (a warning)."""
+    start a server reachable beyond its host without one (a warning); ``mha_unit``: how
+    an MHA model's KV moves, ``"page"`` (whole pages: equal attention TP sizes only) or
+    ``"head"`` (one KV head of one token: any sizes that split the KV heads, at a cost
+    per token: the destination lists and integrity digests grow by page size x local
+    heads; heads.py). Every server of a fleet sets the same ``mha_unit`` (the
+    connector's layout check refuses a link between the two)."""
 
     protocol: str = "tcp"
     device_name: str = ""
@@ -36,6 +42,7 @@ class KvopsSglangSettings:
     connector: Dict[str, Any] = field(default_factory=dict)
     fleet_key_file: str = ""
     allow_insecure: bool = False
+    mha_unit: str = "page"
 
     @staticmethod
     def from_env() -> "KvopsSglangSettings":
@@ -54,6 +61,8 @@ class KvopsSglangSettings:
         if not isinstance(settings.allow_insecure, bool) or not isinstance(settings.fleet_key_file, str):
             raise ValueError(f"${CONFIG_ENV} allow_insecure must be true or false and fleet_key_file "
                              "a path")
+        if settings.mha_unit not in MHA_UNITS:
+            raise ValueError(f"${CONFIG_ENV} mha_unit {settings.mha_unit!r} is not one of {MHA_UNITS}")
         if settings.protocol not in ("tcp", "rdma"):
             raise ValueError(f"${CONFIG_ENV} protocol {settings.protocol!r} is not 'tcp' or 'rdma'")
         config = settings.connector_config()  # unknown or bad connector fields fail at start-up

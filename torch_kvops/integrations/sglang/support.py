@@ -1,8 +1,13 @@
-"""What the ``kvops`` SGLang backend refuses at start-up, with a clear error
-(:func:`check_supported`; a room between attention TP sizes that do not split the
-model's KV heads fails on the decode side: :meth:`.heads.RankHeads.tp_problem`). No
-SGLang import here."""
+"""What the ``kvops`` SGLang backend refuses, with a clear error: at start-up what it
+never moves (:func:`check_supported`), and per room, on the decode side before its
+destination goes out, attention TP sizes it cannot move between (:func:`tp_problem`).
+No SGLang import here."""
 from __future__ import annotations
+
+from typing import Optional
+
+from .heads import RankHeads
+from .settings import CONFIG_ENV
 
 
 def check_supported(args, server_args) -> None:
@@ -23,3 +28,19 @@ def check_supported(args, server_args) -> None:
     if missing:
         raise NotImplementedError("the kvops SGLang backend does not support "
                                   + ", ".join(missing) + " yet")
+
+
+def tp_problem(latent: bool, heads: Optional[RankHeads], prefill_tp: int, decode_tp: int) -> str:
+    """Why a room from a prefill server of attention TP ``prefill_tp`` cannot come to
+    this decode rank, or "". An MLA rank holds the whole latent: any sizes. An MHA rank
+    holds its share of the KV heads: moved by page (``heads`` None) only between equal
+    sizes; by head, between sizes that split the heads."""
+    if latent:
+        return ""
+    if heads is not None:
+        return heads.tp_problem(prefill_tp)
+    if prefill_tp == decode_tp:
+        return ""
+    return (f"the kvops backend moves MHA KV by page between equal attention TP sizes only "
+            f"(prefill {prefill_tp}, decode {decode_tp}): set \"mha_unit\": \"head\" in "
+            f"${CONFIG_ENV} on every server of the fleet")

@@ -60,6 +60,9 @@ def destination(heads: Optional[RankHeads], theirs: Optional[dict], peer: str, e
     on a lower prefill rank sends that rank's heads (replicated KV heads)."""
     if heads is None:
         return Destination(peer, endpoint, pages, aux_index, session)
+    if theirs is None:
+        raise ValueError(f"decode rank {session} moves MHA KV by page, this prefill server by head: "
+                         "set the same mha_unit on every server of the fleet")
     if not isinstance(theirs, dict) or theirs.get("total") != heads.total:
         raise ValueError(f"decode rank {session} holds KV heads {theirs}; this model has {heads.total}")
     part = heads.plan_to(int(theirs["tp_size"]), int(theirs["rank"]))
