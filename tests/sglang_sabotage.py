@@ -8,9 +8,11 @@ test's ``vllm_sabotage.Switch`` writes it), in the prefill server:
   ones, and the room's pages keep what they held). A permutation of the room's own
   pages would be no control: attention over a prompt's keys ignores their order
   (positions are in the keys).
-- ``misplace_heads``: each MHA part writes its KV heads at the next head range of the
-  decode rank's tokens (with P at TP 2 and D at TP 1, the two prefill ranks' heads
-  swap places): the right bytes in the right pages, under the wrong heads.
+- ``misplace_heads``: each MHA part moves the next head range: where the decode rank
+  holds more heads than the part, it writes them at the next range of its tokens (P
+  at TP 2 to D at TP 1: the two prefill ranks' heads swap places); else it reads the
+  next range of the prefill rank's (P at TP 1 to D at TP 2: each decode rank gets the
+  other's head). The right pages, under the wrong heads.
 - ``drop``: the transport reports every write done and moves no byte.
 - ``drop_layer``: the writes of one KV buffer (the keys of layer 1) move no byte (the
   transport reports success); every other layer arrives.
@@ -103,9 +105,12 @@ def install() -> None:
 
     def sabotaged_request(self, room, src_pages, dst, last):
         if "misplace_heads" in modes() and self.part is not None:
-            part = self.part
-            shifted = (part.dst_offset + len(part.heads)) % part.dst_heads
-            self = dataclasses.replace(self, part=dataclasses.replace(part, dst_offset=shifted))
+            part, n = self.part, len(self.part.heads)
+            if part.dst_heads > n:
+                part = dataclasses.replace(part, dst_offset=(part.dst_offset + n) % part.dst_heads)
+            else:
+                part = dataclasses.replace(part, src_offset=(part.src_offset + n) % part.src_heads)
+            self = dataclasses.replace(self, part=part)
         return request(self, room, src_pages, dst, last)
 
     Destination.request = sabotaged_request

@@ -14,6 +14,9 @@ server for it); each rank is bound to one core (``SGLANG_CPU_OMP_THREADS_BIND``)
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Dict, Iterator
+
 import pytest
 
 from torch_kvops.serving import prometheus
@@ -43,6 +46,11 @@ def fleet():
             # its own with P that tries each request once
             d1 = servers.add(SglangServerSpec("D1", model, role="decode", env=env, page_size=PAGE_SIZE))
             servers.add(SglangRouterSpec("tp1", [p], [d1], extra_args=ROUTER_CHECKS + ["--disable-retries"]))
+            # started by its test only: a prefill server with TP 1, behind a router of
+            # its own with D
+            p1 = servers.add(SglangServerSpec("P1", model, role="prefill", env=env, page_size=PAGE_SIZE,
+                                              extra_args=["--chunked-prefill-size", str(CHUNK)]))
+            servers.add(SglangRouterSpec("more", [p1], [d], extra_args=ROUTER_CHECKS))
             with serving(servers, ["P", "D", "ref"]):
                 yield servers, model, sabotage
 
@@ -84,54 +92,96 @@ def test_negative_control_a_dropped_layer_changes_the_answers(fleet):
     assert _differ(fleet, seed=43, n=4)[0] == []  # and the fleet is whole again
 
 
+N = 8  # prompts of a load
+
+
+@contextlib.contextmanager
+def _started(servers, server: str, router: str) -> Iterator[None]:
+    """A server of another TP size and its router, for one test: stopped at its end
+    (their health checks would load the machine for the rest of the module)."""
+    servers.start([server])
+    servers.start([router])
+    try:
+        router_ready(servers[router])
+        yield
+    finally:
+        servers[router].stop()
+        servers[server].stop()
+
+
+def _rooms_of_a_load(fleet, seed: int, router: str, prefill: str, decode: str) -> Dict[str, float]:
+    """Rooms each server ended in a load of N prompts through ``router``, whose answers
+    equal the reference's; none failed."""
+    servers = fleet[0]
+    before = {name: servers[name].metrics() for name in (prefill, decode)}
+    assert _differ(fleet, seed=seed, n=N, router=router)[0] == []
+    after = {name: servers[name].metrics() for name in (prefill, decode)}
+    ended = {name: count(after[name], "rooms", label="success") - count(before[name], "rooms", label="success")
+             for name in (prefill, decode)}
+    failed = {name: count(after[name], "rooms", label="failed") - count(before[name], "rooms", label="failed")
+              for name in (prefill, decode)}
+    print(f"\n[sglang tp] {prefill} -> {decode}: rooms ended {ended}, failed {failed}")
+    assert not any(failed.values()), failed
+    return ended
+
+
+def _misplaced_heads_change_the_answers(fleet, seed: int, router: str, *modes: str) -> None:
+    sabotage = fleet[2]
+    sabotage.set("misplace_heads", *modes)
+    try:
+        differ, got = _differ(fleet, seed=seed, router=router)
+    finally:
+        sabotage.set()
+    print(f"[sglang tp] misplace_heads {modes} through {router}: prompts {differ} of 8 differ")
+    assert len(differ) >= 6, f"only prompts {differ} of 8 answered differently"
+    assert len([i for i in differ if not got[i].startswith("<")]) >= 3, got
+
+
 def test_kv_heads_move_to_a_decode_server_of_another_tp_size(fleet):
     """D1 (TP 1) behind a router with P (TP 2): SGLang maps D1's one rank to both
     prefill ranks, and each pushes its KV head into D1's pages, at its place in each
     token (a part of its own). The answers equal the reference's, D1 ended every room
-    once both parts landed, and no prefill rank moved whole pages. Negative controls:
+    once both parts landed. Negative controls:
     the two prefill ranks' heads swapped (``misplace_heads``): D1 refuses every part
     (its units are not the ones expected), and with that check off the bytes land under
     the wrong heads and the answers differ."""
     servers, model, sabotage = fleet
-    servers.start(["D1"])
-    servers.start(["tp1"])
-    try:
-        router_ready(servers["tp1"])
-        n = 8
-        before = {name: servers[name].metrics() for name in ("P", "D1")}
-        assert _differ(fleet, seed=44, n=n, router="tp1")[0] == []
-        after = {name: servers[name].metrics() for name in ("P", "D1")}
-        ended = {(name, label): count(after[name], "rooms", label=label) - count(before[name], "rooms", label=label)
-                 for name in ("P", "D1") for label in ("success", "failed")}
-        print(f"\n[sglang tp] P (TP 2) -> D1 (TP 1): rooms {ended}")
+    with _started(servers, "D1", "tp1"):
+        ended = _rooms_of_a_load(fleet, 44, "tp1", "P", "D1")
         # every room on both of P's ranks and on D1's one rank (it waits for both parts)
-        assert ended[("P", "success")] >= 2 * n and ended[("D1", "success")] >= n, ended
-        assert ended[("P", "failed")] == ended[("D1", "failed")] == 0, ended
+        assert ended["P"] >= 2 * N and ended["D1"] >= N, ended
         with open(servers["D1"].log_path) as f:
             assert "moved by KV head (2 of 2)" in f.read()
 
+        refused_before = count(servers["D1"].metrics(), "misaddressed_rooms")
         sabotage.set("misplace_heads")  # D1's check of the destination is on
         try:
             got = answers(servers["tp1"].url, model, random_prompts(seed=45, n=2))
         finally:
             sabotage.set()
-        refused = count(servers["D1"].metrics(), "misaddressed_rooms") - count(after["D1"], "misaddressed_rooms")
+        refused = count(servers["D1"].metrics(), "misaddressed_rooms") - refused_before
         print(f"[sglang tp] misplace_heads, checked: {refused:.0f} rooms refused; {[a[:80] for a in got]}")
         assert refused >= 2 and all(a.startswith("<") for a in got), (refused, got)
         pages_come_back(servers, ["D1", "P"])
         router_serves_again(servers, model, router="tp1")
 
-        sabotage.set("misplace_heads", "unchecked")
-        try:
-            differ, got = _differ(fleet, seed=46, router="tp1")
-        finally:
-            sabotage.set()
-        print(f"[sglang tp] misplace_heads, unchecked: prompts {differ} of 8 differ")
-        assert len(differ) >= 6, f"only prompts {differ} of 8 answered differently"
-        assert len([i for i in differ if not got[i].startswith("<")]) >= 3, got
+        _misplaced_heads_change_the_answers(fleet, 46, "tp1", "unchecked")
         pages_come_back(servers, ["D1", "P"])
-    finally:  # its health checks would load the machine for the rest of the module
-        servers["tp1"].stop()
-        servers["D1"].stop()
     router_serves_again(servers, model)
+    assert _differ(fleet, seed=43, n=4)[0] == []
+
+
+def test_one_prefill_rank_sends_each_decode_rank_its_kv_head(fleet):
+    """P1 (TP 1) behind a router with D (TP 2): SGLang maps both decode ranks to P1's
+    one rank, which sends each its KV head (reading the second head of its tokens for
+    rank 1). The answers equal the reference's, and both decode ranks ended every room.
+    Negative control: each decode rank handed the other's head (``misplace_heads``:
+    P reads the wrong head, into the right units, so D's checks pass): the answers
+    differ."""
+    servers = fleet[0]
+    with _started(servers, "P1", "more"):
+        ended = _rooms_of_a_load(fleet, 47, "more", "P1", "D")
+        assert ended["P1"] >= N and ended["D"] >= 2 * N, ended  # each decode rank every room
+        _misplaced_heads_change_the_answers(fleet, 48, "more")
+        pages_come_back(servers, ["P1", "D"])
     assert _differ(fleet, seed=43, n=4)[0] == []
