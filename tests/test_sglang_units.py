@@ -20,7 +20,7 @@ from torch_kvops.integrations.sglang.signing import MessageSigner, SignedAborts
 from torch_kvops.heads import rank_heads
 from torch_kvops.integrations.sglang.heads import RankHeads
 from torch_kvops.integrations.sglang.support import check_supported, tp_problem
-from torch_kvops.integrations.sglang.transfers import Destination, room_of, transfer_id
+from torch_kvops.integrations.sglang.transfers import Destination, destination, room_of, transfer_id
 
 from conftest import FLEET_KEY as KEY  # key_file (the fixture) holds it
 
@@ -245,3 +245,15 @@ def test_mha_unit_is_page_by_default_and_a_bad_value_fails_at_start_up(monkeypat
     assert _settings(monkeypatch, mha_unit="head").mha_unit == "head"
     with pytest.raises(ValueError, match=r"mha_unit 'token' is not one of \('page', 'head'\)"):
         _settings(monkeypatch, mha_unit="token")
+
+
+def test_a_decode_rank_moving_mha_kv_by_the_other_unit_is_refused_naming_the_setting():
+    """Prefill by head, decode by page, or the reverse: no destination, the room fails
+    with the setting named (where the unit sizes differ, the connector's layout check
+    refuses the link first)."""
+    heads, theirs = RankHeads(2, 1, 0, 16), {"total": 2, "tp_size": 2, "rank": 0}
+    assert destination(heads, theirs, "peer", "tcp://d:1", np.arange(2), 0, "s").part is not None
+    assert destination(None, None, "peer", "tcp://d:1", np.arange(2), 0, "s").part is None
+    for mine, other in ((heads, None), (None, theirs)):
+        with pytest.raises(ValueError, match="set the same mha_unit on every server of the fleet"):
+            destination(mine, other, "peer", "tcp://d:1", np.arange(2), 0, "s")

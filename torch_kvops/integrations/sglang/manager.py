@@ -51,7 +51,7 @@ from .push_queue import METADATA_ROW, PushQueue
 from .settings import KvopsSglangSettings
 from .signing import MessageSigner
 from .support import check_supported
-from .transfers import Destination, destination, expected_parts, room_of
+from .transfers import Destination, destination, room_of, room_parts
 
 log = logging.getLogger(__name__)
 
@@ -263,9 +263,9 @@ class KvopsKVManager(sgl.CommonKVManager):
     def expect(self, room: int, pages, aux_index: int, prefill_tp: int) -> None:
         """Decode: the engine gave the room ``pages`` and a metadata row (before the
         destination message goes out). The prefill may write those pages only: whole
-        (MLA), or per prefill rank of attention TP ``prefill_tp`` that sends heads
+        (MLA, or MHA by page), or per prefill rank of attention TP ``prefill_tp`` that sends heads
         here, those heads of their tokens (MHA, :mod:`.heads`)."""
-        parts = expected_parts(self.heads, room, self.conn.engine_id, pages, prefill_tp)
+        parts = room_parts(self.heads, room, self.conn.engine_id, pages, prefill_tp)
         self.rooms.expect(room, aux_index, list(parts))
         for part, units in parts.items():
             if not self.conn.expect(part, blocks=units):

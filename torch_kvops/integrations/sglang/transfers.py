@@ -33,8 +33,8 @@ class Destination:
     pages: np.ndarray  # its page ids for the room, in token order
     aux_index: int
     session: str  # that rank's connector engine id
-    heads: Optional[RankHeads] = None  # MHA: this prefill rank's heads (MLA: moved by page)
-    part: Optional[PartPlan] = None  # MHA: the heads it sends that decode rank
+    heads: Optional[RankHeads] = None  # MHA by head: this prefill rank's heads (else by page)
+    part: Optional[PartPlan] = None  # MHA by head: the heads it sends that decode rank
 
     def transfer(self, room: int) -> str:
         if self.part is None:
@@ -43,7 +43,8 @@ class Destination:
 
     def request(self, room: int, src_pages: Sequence[int], dst: slice, last: bool) -> TransferRequest:
         """The transfer of ``src_pages`` into this destination's pages ``dst``: whole
-        pages (MLA), or the part's heads of each of their tokens (MHA)."""
+        pages (MLA, or MHA by page), or the part's heads of each of their tokens (MHA by
+        head)."""
         dst_pages = self.pages[dst]
         if self.part is None:
             return TransferRequest(self.transfer(room), self.peer, list(src_pages), dst_pages.tolist(),
@@ -56,24 +57,26 @@ class Destination:
 def destination(heads: Optional[RankHeads], theirs: Optional[dict], peer: str, endpoint: str,
                 pages: np.ndarray, aux_index: int, session: str) -> Optional[Destination]:
     """Prefill: a decode rank's destination of a room. ``heads``: this rank's (None:
-    MLA); ``theirs``: the heads the decode rank registered with. None where a replica
-    on a lower prefill rank sends that rank's heads (replicated KV heads)."""
+    moved by page); ``theirs``: the heads the decode rank registered with (None: by
+    page). None where a replica on a lower prefill rank sends that rank's heads
+    (replicated KV heads)."""
+    if (heads is None) != (theirs is None):
+        mine, other = ("page", "head") if heads is None else ("head", "page")
+        raise ValueError(f"decode rank {session} moves MHA KV by {other}, this prefill server by {mine}: "
+                         "set the same mha_unit on every server of the fleet")
     if heads is None:
         return Destination(peer, endpoint, pages, aux_index, session)
-    if theirs is None:
-        raise ValueError(f"decode rank {session} moves MHA KV by page, this prefill server by head: "
-                         "set the same mha_unit on every server of the fleet")
     if not isinstance(theirs, dict) or theirs.get("total") != heads.total:
         raise ValueError(f"decode rank {session} holds KV heads {theirs}; this model has {heads.total}")
     part = heads.plan_to(int(theirs["tp_size"]), int(theirs["rank"]))
     return None if part is None else Destination(peer, endpoint, pages, aux_index, session, heads, part)
 
 
-def expected_parts(heads: Optional[RankHeads], room: int, session: str, pages: Sequence[int],
-                   prefill_tp: int) -> Dict[str, List[int]]:
+def room_parts(heads: Optional[RankHeads], room: int, session: str, pages: Sequence[int],
+               prefill_tp: int) -> Dict[str, List[int]]:
     """Decode: per transfer of ``room`` to this rank (engine id ``session``), the units
-    it may write: whole pages (MLA), or per prefill rank of attention TP
-    ``prefill_tp`` that sends heads here, those heads of the pages' tokens (MHA)."""
+    it may write: whole pages (MLA, or MHA by page), or per prefill rank of attention TP
+    ``prefill_tp`` that sends heads here, those heads of the pages' tokens (MHA by head)."""
     if heads is None:
         return {transfer_id(room, session): np.asarray(pages, dtype=np.int64).tolist()}
     return heads.expected(room, session, pages, prefill_tp)
