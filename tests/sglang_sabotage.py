@@ -15,7 +15,8 @@ test's ``vllm_sabotage.Switch`` writes it), in the prefill server:
   other's head). The right pages, under the wrong heads.
 - ``drop``: the transport reports every write done and moves no byte.
 - ``drop_layer``: the writes of one KV buffer (the keys of layer 1) move no byte (the
-  transport reports success); every other layer arrives.
+  transport reports success); every other layer arrives. ``drop_layer0``: the same
+  for the keys of layer 0 (a sliding-window layer of the SWA model).
 - ``no_renewal`` (in the decode server): the prefill servers' notices of the rooms they
   still owe are dropped, so no lease is renewed while a room waits in a prefill queue.
 - ``short_lease`` (in the decode server): a room D expects gets a lease of
@@ -128,6 +129,8 @@ def install() -> None:
 
     def sabotaged_write_layer(self, layer, *args, **kwargs):
         if "drop_layer" in modes() and layer == 1:  # buffer 1: the keys of layer 1
+            return 0, None
+        if "drop_layer0" in modes() and layer == 0:  # the keys of layer 0 (sliding in the SWA model)
             return 0, None
         return write_layer(self, layer, *args, **kwargs)
 

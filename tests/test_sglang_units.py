@@ -40,6 +40,11 @@ def test_what_the_backend_does_not_move_yet_is_refused_at_start_up():
     with pytest.raises(NotImplementedError, match=r"^the kvops SGLang backend does not support "
                        r"state pools \['mamba'\] yet$"):
         check_supported(NS(state_types=["mamba"]), NS(device="cpu"))
+    # SGLang's hybrid sliding-window pool: the error names the flag that moves the model
+    with pytest.raises(NotImplementedError, match=r"^the kvops SGLang backend does not support "
+                       r"state pools \['swa'\] \(a sliding-window model moves with "
+                       r"--disable-hybrid-swa-memory on every server of the fleet\) yet$"):
+        check_supported(NS(state_types=[NS(value="swa")]), NS(device="cpu"))
     with pytest.raises(NotImplementedError, match="^the kvops SGLang backend does not support "
                        "pipeline parallelism, data-parallel attention yet$"):
         check_supported(NS(), NS(device="cpu", tp_size=2, pp_size=2, attn_dp_size=2))

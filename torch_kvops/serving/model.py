@@ -1,6 +1,7 @@
 """A test model directory that real clients can talk to: the context-sensitive Llama of
 :mod:`torch_kvops.testing.hf_model` (or the MLA model of
-:mod:`torch_kvops.testing.mla_model`) plus a word-level tokenizer.
+:mod:`torch_kvops.testing.mla_model`, or the sliding-window model of
+:mod:`torch_kvops.testing.swa_model`) plus a word-level tokenizer.
 
 The tokenizer (``tokenizer.json``, Hugging Face ``tokenizers`` WordLevel model) maps each
 whitespace-separated word to one token id: the model's vocabulary is ``<pad> <s> </s>
@@ -18,6 +19,7 @@ from typing import List
 
 from ..testing.hf_model import write_context_model
 from ..testing.mla_model import write_mla_model
+from ..testing.swa_model import write_swa_model
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0-3; config.json: bos 1, eos 2
 ROLES = ["system", "user", "assistant"]
@@ -46,12 +48,17 @@ def tokenizer_json(size: int) -> dict:
     return json.loads(tok.to_str())
 
 
-def write_serving_model(directory: str, *, seed: int = 0, mla: bool = False, **config_kwargs) -> dict:
+def write_serving_model(directory: str, *, seed: int = 0, mla: bool = False, swa: bool = False,
+                        **config_kwargs) -> dict:
     """Write the test Llama (weights, config.json), or with ``mla`` the test
-    DeepSeek-V2-style MLA model, and its tokenizer into ``directory`` (keyword arguments
-    as :func:`torch_kvops.testing.hf_model.context_model_config` or
-    :func:`torch_kvops.testing.mla_model.mla_model_config`); returns the model config."""
-    write = write_mla_model if mla else write_context_model
+    DeepSeek-V2-style MLA model, or with ``swa`` the test Mellum (sliding-window and
+    full layers), and its tokenizer into ``directory`` (keyword arguments as
+    :func:`torch_kvops.testing.hf_model.context_model_config`,
+    :func:`torch_kvops.testing.mla_model.mla_model_config` or
+    :func:`torch_kvops.testing.swa_model.swa_model_config`); returns the model config."""
+    if mla and swa:
+        raise ValueError("the test models are MLA or sliding-window, not both")
+    write = write_mla_model if mla else write_swa_model if swa else write_context_model
     config = write(directory, seed=seed, **config_kwargs)
     with open(os.path.join(directory, "tokenizer.json"), "w") as f:
         json.dump(tokenizer_json(config["vocab_size"]), f)

@@ -17,8 +17,13 @@ def check_supported(args, server_args) -> None:
         missing.append(f"device {server_args.device!r} (host KV caches only so far)")
     if getattr(args, "num_draft_entries", 0):
         missing.append("speculative decoding's draft KV")
-    if getattr(args, "state_types", None):
-        missing.append(f"state pools {args.state_types}")
+    states = [getattr(state, "value", state) for state in getattr(args, "state_types", None) or []]
+    if states:
+        missing.append(f"state pools {states}" + (
+            # SGLang's hybrid pool keeps a sliding layer's window only, in a pool of its
+            # own: moved here, a sliding layer keeps every token like a full one
+            " (a sliding-window model moves with --disable-hybrid-swa-memory on every "
+            "server of the fleet)" if "swa" in states else ""))
     # tensor parallelism moves each rank's KV heads (MHA) or latent (MLA) to the decode
     # ranks that hold them (heads.py, transfers.py); other splits of the model are not built
     for name, what in (("pp_size", "pipeline parallelism"), ("attn_cp_size", "context parallelism"),

@@ -1,0 +1,143 @@
+"""SGLang P/D of a sliding-window model with the ``kvops`` backend: real SGLang 0.5.23
+servers behind sglang-router (P/D mode), against a monolithic SGLang server, with the
+test Mellum (torch_kvops/testing/swa_model.py: layers alternate a 64-token sliding
+window and full attention; prompts of 50-800 tokens).
+
+SGLang gives such a model a hybrid pool: full layers in one pool, sliding layers'
+last window in another, smaller one (a state pool, ``StateType.SWA``). The backend
+does not move that pool yet and refuses it at start-up, naming the flag that moves the
+model: ``--disable-hybrid-swa-memory`` puts every layer in the one KV pool (a sliding
+layer keeps every token, its attention still masked to the window), so P pushes each
+layer's pages as its forward writes them, as for any MHA model.
+
+P (chunks of 256 tokens), D and the monolithic reference run with the flag, and the
+reference's answers equal Hugging Face ``transformers``' own Mellum (greedy). SGLang's
+hybrid pool is no reference on CPU: its ``torch_native`` attention writes a sliding
+layer's KV at the window pool's slots but reads it at the full pool's (0.5.23,
+``_run_sdpa_forward_extend``), and 9 of 12 answers differ from transformers' (checked
+by hand). The fleet key and D's ``mac`` integrity check.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from typing import Dict, List
+
+import pytest
+
+from torch_kvops.serving import prometheus
+from torch_kvops.serving.servers import ServerError, Servers
+from torch_kvops.serving.sglang import SglangRouterSpec, SglangServerSpec, sglang_python
+
+from serving_fleet import workspace
+from sglang_fleet import (MAX_TOKENS, PAGE_SIZE, ROUTER_CHECKS, answers, count, differ_from_reference, fleet_env,
+                          pages_come_back, random_prompts, serving)
+
+CHUNK = 256  # P's --chunked-prefill-size
+ONE_POOL = ["--disable-hybrid-swa-memory"]
+HF_GREEDY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_greedy.py")
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    with workspace("kvops-sglang-swa", swa=True) as (tmp, model, log_dir, sabotage):
+        same = dict(env=fleet_env(tmp), page_size=PAGE_SIZE)
+        with Servers(log_dir) as servers:
+            p = servers.add(SglangServerSpec("P", model, role="prefill",
+                                             extra_args=ONE_POOL + ["--chunked-prefill-size", str(CHUNK)],
+                                             **same))
+            d = servers.add(SglangServerSpec("D", model, role="decode", extra_args=ONE_POOL, **same))
+            servers.add(SglangServerSpec("ref", model, role="monolithic", extra_args=ONE_POOL, **same))
+            servers.add(SglangRouterSpec("router", [p], [d], extra_args=ROUTER_CHECKS))
+            # started by its test only: a prefill server with SGLang's hybrid pool
+            servers.add(SglangServerSpec("P-hybrid", model, role="prefill", **same))
+            with serving(servers, ["P", "D", "ref"]):
+                yield servers, model, sabotage
+
+
+_reference: Dict[str, str] = {}
+
+
+def _differ(fleet, seed: int, n: int = 8):
+    servers, model, _ = fleet
+    return differ_from_reference(servers, model, seed, n, "sglang swa", _reference)
+
+
+def _transformers_answers(model: str, prompts: List[str]) -> List[List[str]]:
+    out = subprocess.run([sglang_python(), HF_GREEDY, model, str(MAX_TOKENS)], input=json.dumps(prompts),
+                         capture_output=True, text=True, check=True, timeout=300).stdout
+    return [a.split() for a in json.loads(out)]
+
+
+def test_the_reference_answers_as_transformers_does_and_from_its_context(fleet, tmp_path):
+    """The monolithic server's answers equal Hugging Face ``transformers``' greedy ones
+    (an engine-independent reference of the sliding window); negative control, the same
+    model with no window in transformers (every layer full): the answers differ, so
+    the window is part of what is compared. Prompts that share their last words but not
+    what comes before answer differently: a transfer that moved no KV could not give
+    the reference's answers. No server of the fleet runs the hybrid pool."""
+    servers, model, _ = fleet
+    prompts = random_prompts(seed=40, n=4)
+    got = [a.split() for a in answers(servers["ref"].url, model, prompts)]
+    assert got == _transformers_answers(model, prompts)
+    windowless = tmp_path / "windowless"
+    shutil.copytree(model, windowless)
+    config = json.loads((windowless / "config.json").read_text())
+    config["sliding_window"] = config["max_position_embeddings"]
+    (windowless / "config.json").write_text(json.dumps(config))
+    unlike = [i for i, a in enumerate(_transformers_answers(str(windowless), prompts)) if a != got[i]]
+    assert len(unlike) >= 3, f"without its window the model answers the same to {4 - len(unlike)} of 4"
+    tail = " w500 w501 w502"
+    with_tail = answers(servers["ref"].url, model, [p + tail for p in prompts])
+    assert not [a for a in with_tail if a.startswith("<")], with_tail
+    assert len(set(with_tail)) == len(with_tail), with_tail
+    assert not any("Use sliding window memory pool" in open(servers[n].log_path).read()
+                   for n in ("P", "D", "ref"))
+
+
+def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_each_layer_in_its_forward(fleet):
+    servers = fleet[0]
+    n = 12
+    assert _differ(fleet, seed=41, n=n)[0] == []
+    p, d = (prometheus.fetch(servers[name].url) for name in ("P", "D"))
+    assert count(p, "rooms", label="success") >= n and count(d, "rooms", label="success") >= n
+    assert not any(count(s, "rooms", label="failed") for s in (p, d))
+    # D computed no prompt token: SGLang's own prefill counter on D stays at 0
+    prefilled = [prometheus.total(s, "sglang:prefill_effective_tokens_total", mode="input") for s in (p, d)]
+    assert prefilled[1] == 0 and prefilled[0] > 0, prefilled
+    # every chunk left in its forward, in more chunks than rooms (chunked prefill)
+    assert count(p, "chunks", label="after_forward") == 0
+    assert count(p, "chunks", label="forward") > n
+    layers, early = count(p, "layers"), count(p, "layers_landed_during_forward")
+    print(f"\n[sglang swa] {early:.0f} of {layers:.0f} pushed layers landed before their forward ended")
+    assert layers > 0 and early >= layers / 2, (early, layers)
+    pages_come_back(servers, ["P", "D"])
+
+
+@pytest.mark.parametrize("mode", ["drop_layer", "drop_layer0"])
+def test_negative_control_a_missing_full_or_sliding_layer_changes_the_answers(fleet, mode):
+    """The keys of layer 1 (full attention: ``drop_layer``) or of layer 0 (a 64-token
+    sliding window: ``drop_layer0``) move no byte, with D's checks off (``unverified``,
+    ``unchecked``): the answers differ, so each kind of layer's KV is what D reads."""
+    _, _, sabotage = fleet
+    sabotage.set(mode, "unverified", "unchecked")
+    try:
+        differ, got = _differ(fleet, seed={"drop_layer": 42, "drop_layer0": 43}[mode])
+    finally:
+        sabotage.set()
+    assert len(differ) >= 6, f"{mode}: only prompts {differ} of 8 answered differently"
+    assert len([i for i in differ if not got[i].startswith("<")]) >= 3, got
+    assert _differ(fleet, seed=44, n=4)[0] == []  # and the fleet is whole again
+
+
+def test_a_prefill_server_with_the_hybrid_pool_fails_at_start_up_naming_the_flag(fleet):
+    """Without ``--disable-hybrid-swa-memory`` the backend refuses the model before a
+    room exists (never a transfer that leaves the sliding layers' pool behind)."""
+    servers = fleet[0]
+    with pytest.raises(ServerError, match="exited"):
+        servers.start(["P-hybrid"], 300)
+    log = open(servers["P-hybrid"].log_path).read()
+    assert "does not support state pools ['swa'] (a sliding-window model moves with " \
+           "--disable-hybrid-swa-memory on every server of the fleet)" in log, log[-3000:]
