@@ -18,7 +18,7 @@ from torch_kvops.integrations.sglang.prefill_restarts import cached_endpoints, p
 from torch_kvops.integrations.sglang.settings import CONFIG_ENV, KvopsSglangSettings
 from torch_kvops.integrations.sglang.signing import MessageSigner, SignedAborts
 from torch_kvops.heads import rank_heads
-from torch_kvops.integrations.sglang.heads import RankHeads
+from torch_kvops.integrations.sglang.heads import RankHeads, destination_ranks
 from torch_kvops.integrations.sglang.support import check_supported, tp_problem
 from torch_kvops.integrations.sglang.transfers import Destination, destination, room_of, transfer_id
 
@@ -58,12 +58,15 @@ def _pool(tokens: int, heads: RankHeads, full: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("total,prefill_tp,decode_tp", [
-    (2, 2, 1), (2, 1, 2), (8, 4, 2), (8, 2, 4), (8, 2, 2), (2, 4, 1), (2, 1, 4), (4, 8, 2)])
+    (2, 2, 1), (2, 1, 2), (8, 4, 2), (8, 2, 4), (8, 2, 2), (2, 4, 1), (2, 1, 4), (4, 8, 2),
+    (1, 2, 2), (1, 4, 2), (2, 4, 4), (1, 2, 4), (2, 8, 4)])
 def test_head_parts_land_each_decode_ranks_heads_where_its_pool_holds_them(total, prefill_tp, decode_tp):
     """Every prefill rank's parts, copied unit by unit through the views the backend
     registers, fill each decode rank's pool exactly with its heads, and the decode rank
     expects exactly the parts and units the prefill ranks send (ids both sides derive).
-    Fewer KV heads than ranks: replicas on other prefill ranks send nothing."""
+    Only the prefill ranks SGLang sends a decode rank's destination to may send it
+    anything (:func:`destination_ranks`). Fewer KV heads than ranks: of the replicas
+    among those, the lowest sends."""
     page, pages, dim = 4, 6, 3
     full = torch.randn(pages * page, total, dim)
     senders = [RankHeads(total, prefill_tp, r, page) for r in range(prefill_tp)]
@@ -76,6 +79,8 @@ def test_head_parts_land_each_decode_ranks_heads_where_its_pool_holds_them(total
         expected = receiver.expected(77, "dsession", dst_pages, prefill_tp)
         sent = {}
         for h, source in zip(senders, sources):
+            if h.rank not in destination_ranks(prefill_tp, decode_tp, d):
+                continue  # SGLang never sends it this decode rank's destination
             part = h.plan_to(decode_tp, d)
             if part is None:
                 continue

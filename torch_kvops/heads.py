@@ -13,14 +13,15 @@ layout keeps a head of a block contiguous), a token for SGLang (its pool is toke
 descriptors as whole slots would.
 
 Each destination head is sent once, by the lowest prefill rank that holds it (replicas
-on other prefill ranks send nothing). Every (prefill rank, decode rank) pair that moves
+on other prefill ranks send nothing), of the prefill ranks the engine tells that decode
+rank's destination to (SGLang tells each decode rank's to some only). Every (prefill rank, decode rank) pair that moves
 heads is one transfer "part" with its own id; a decode rank reports a request when
 every part it expects has ended, and failed if any part failed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -52,11 +53,21 @@ def rank_heads(total_kv_heads: int, tp_size: int, rank: int) -> HeadSlice:
     return HeadSlice(head, head + 1)
 
 
-def source_rank(head: int, total_kv_heads: int, tp_size: int) -> int:
-    """The lowest prefill rank holding ``head``: the one that sends it."""
+def source_rank(head: int, total_kv_heads: int, tp_size: int, among: Optional[range] = None) -> int:
+    """The lowest prefill rank holding ``head``, of ``among`` (default: all ranks; an
+    engine that tells a decode rank's destination to some prefill ranks only names
+    them): the one that sends it."""
     if total_kv_heads >= tp_size:
-        return head // (total_kv_heads // tp_size)
-    return head * (tp_size // total_kv_heads)
+        lowest, replicas = head // (total_kv_heads // tp_size), 1
+    else:
+        replicas = tp_size // total_kv_heads
+        lowest = head * replicas
+    holders = range(lowest, lowest + replicas)
+    for rank in holders if among is None else among:
+        if rank in holders:
+            return rank
+    raise ValueError(f"none of prefill ranks {list(among)} holds KV head {head} "
+                     f"({total_kv_heads} heads over {tp_size} ranks)")
 
 
 def part_id(transfer_id: str, decode_engine: str, prefill_rank: int, decode_rank: int) -> str:
@@ -67,13 +78,15 @@ def part_id(transfer_id: str, decode_engine: str, prefill_rank: int, decode_rank
 
 
 def expected_parts(transfer_id: str, decode_engine: str, block_ids: Sequence[int], total_kv_heads: int,
-                   prefill_tp: int, decode_tp: int, decode_rank: int) -> Dict[str, List[int]]:
+                   prefill_tp: int, decode_tp: int, decode_rank: int,
+                   senders: Optional[range] = None) -> Dict[str, List[int]]:
     """Decode side: per part ``decode_rank`` receives for one request, the units of
-    the slots ``block_ids`` it fills (the heads its prefill rank sends, PartPlan.units)."""
+    the slots ``block_ids`` it fills (the heads its prefill rank sends, PartPlan.units).
+    ``senders``: the prefill ranks that may send to it (default: all)."""
     heads = rank_heads(total_kv_heads, decode_tp, decode_rank)
     local: Dict[int, List[int]] = {}  # prefill rank -> the local heads it sends here
     for h in range(heads.start, heads.stop):
-        local.setdefault(source_rank(h, total_kv_heads, prefill_tp), []).append(h - heads.start)
+        local.setdefault(source_rank(h, total_kv_heads, prefill_tp, senders), []).append(h - heads.start)
     slots = np.asarray(block_ids, dtype=np.int64).reshape(-1, 1)
     return {part_id(transfer_id, decode_engine, s, decode_rank):
             (slots * len(heads) + np.asarray(ks, dtype=np.int64)).ravel().tolist()
@@ -103,15 +116,20 @@ def _units(slots: Sequence[int], heads_per_slot: int, first: int, count: int) ->
     return (slots * heads_per_slot + first + np.arange(count, dtype=np.int64)).ravel().tolist()
 
 
-def plan_parts(total_kv_heads: int, prefill_tp: int, prefill_rank: int, decode_tp: int) -> List[PartPlan]:
+def plan_parts(total_kv_heads: int, prefill_tp: int, prefill_rank: int, decode_tp: int,
+               senders: Optional[Callable[[int], range]] = None) -> List[PartPlan]:
     """Prefill side: what ``prefill_rank`` sends to each decode rank (ranks it sends
-    nothing to are left out)."""
+    nothing to are left out). ``senders``: per decode rank, the prefill ranks that may
+    send to it (default: all)."""
     mine = rank_heads(total_kv_heads, prefill_tp, prefill_rank)
     plans = []
     for d in range(decode_tp):
         theirs = rank_heads(total_kv_heads, decode_tp, d)
+        among = None if senders is None else senders(d)
+        if among is not None and prefill_rank not in among:
+            continue
         sent = [h for h in range(max(mine.start, theirs.start), min(mine.stop, theirs.stop))
-                if source_rank(h, total_kv_heads, prefill_tp) == prefill_rank]
+                if source_rank(h, total_kv_heads, prefill_tp, among) == prefill_rank]
         if sent:
             plans.append(PartPlan(d, HeadSlice(sent[0], sent[-1] + 1), sent[0] - mine.start,
                                   sent[0] - theirs.start, len(mine), len(theirs)))

@@ -20,6 +20,7 @@ registered by page (no head axis): :mod:`.transfers`.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -27,6 +28,19 @@ import numpy as np
 import torch
 
 from ...heads import PartPlan, expected_parts, part_id, plan_parts, rank_heads
+
+
+def destination_ranks(prefill_tp: int, decode_tp: int, decode_rank: int) -> range:
+    """The prefill ranks SGLang sends ``decode_rank``'s destination of a room to (its
+    ``CommonKVReceiver`` rank mapping for MHA, read from SGLang 0.5.23): the same rank
+    between equal sizes; with more decode ranks, the one its rank divides down to; with
+    more prefill ranks, the run of them that holds its heads. Only these may send it
+    heads, so a head replicated on several prefill ranks comes from the lowest of them."""
+    if prefill_tp >= decode_tp:
+        per = prefill_tp // decode_tp
+        return range(decode_rank * per, (decode_rank + 1) * per)
+    first = decode_rank // (decode_tp // prefill_tp)
+    return range(first, first + 1)
 
 
 def page_tokens(pages: Sequence[int], page_size: int) -> np.ndarray:
@@ -73,10 +87,12 @@ class RankHeads:
 
     def plan_to(self, decode_tp: int, decode_rank: int) -> Optional[PartPlan]:
         """Prefill: the heads this rank sends that decode rank (None: a replica of
-        them on a lower prefill rank sends them)."""
+        them on a lower prefill rank of those SGLang tells that rank's destination to
+        sends them)."""
         if not 0 <= decode_rank < decode_tp:
             raise ValueError(f"decode rank {decode_rank} of attention TP {decode_tp}")
-        for plan in plan_parts(self.total, self.tp_size, self.rank, decode_tp):
+        senders = functools.partial(destination_ranks, self.tp_size, decode_tp)
+        for plan in plan_parts(self.total, self.tp_size, self.rank, decode_tp, senders):
             if plan.decode_rank == decode_rank:
                 return plan
         return None
@@ -85,7 +101,8 @@ class RankHeads:
         """Decode: per part of ``room`` this rank receives (one per sending prefill
         rank), the units of ``pages`` it fills."""
         return expected_parts(str(room), session, page_tokens(pages, self.page_size), self.total,
-                              prefill_tp, self.tp_size, self.rank)
+                              prefill_tp, self.tp_size, self.rank,
+                              destination_ranks(prefill_tp, self.tp_size, self.rank))
 
     def part(self, room: int, session: str, decode_rank: int) -> str:
         """Prefill: the id of this rank's part of ``room`` to that decode rank."""
