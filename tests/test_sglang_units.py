@@ -8,6 +8,8 @@ tests/test_sglang_pd.py runs them in real SGLang servers, a prefill server with 
 key among them."""
 import json
 import logging
+import threading
+import time
 from types import SimpleNamespace as NS
 
 import numpy as np
@@ -16,6 +18,8 @@ import torch
 
 from torch_kvops.integrations.sglang.prefill_restarts import cached_endpoints, prefill_restarted
 from torch_kvops.integrations.sglang.settings import CONFIG_ENV, KvopsSglangSettings
+from torch_kvops.integrations.sglang import decode_peers
+from torch_kvops.integrations.sglang.decode_peers import DecodePeers
 from torch_kvops.integrations.sglang.signing import MessageSigner, SignedAborts
 from torch_kvops.heads import rank_heads
 from torch_kvops.integrations.sglang.heads import RankHeads, destination_ranks
@@ -185,7 +189,6 @@ def test_a_prefill_whose_rank_moved_is_found_restarted():
     (not registered yet: 503), is not. A real HTTP server answers as SGLang's
     bootstrap server does (GET /route with the rank's query)."""
     import http.server
-    import threading
 
     answer = {"status": 200, "body": {"rank_ip": "127.0.0.1", "rank_port": 5001}}
     queries = []
@@ -267,3 +270,39 @@ def test_a_decode_rank_moving_mha_kv_by_the_other_unit_is_refused_naming_the_set
     for mine, other in ((heads, None), (None, theirs)):
         with pytest.raises(ValueError, match="set the same mha_unit on every server of the fleet"):
             destination(mine, other, "peer", "tcp://d:1", np.arange(2), 0, "s")
+
+
+class _Links:
+    """The connector as DecodePeers uses it, for its bookkeeping alone: ranks whose
+    session starts with "live" link, the others fail to connect."""
+
+    def add_peer(self, info: dict) -> str:
+        if not info["engine_id"].startswith("live"):
+            raise ConnectionError("refused")
+        return f"peer-{info['engine_id']}"
+
+    def peer_failed(self, peer: str):
+        return None
+
+
+def test_decode_registrations_stay_bounded_while_decode_servers_restart(monkeypatch):
+    """Each restart of a decode server registers its ranks under new sessions: past
+    MAX_SESSIONS the least recently used ranks with no link, attempt or held room are
+    forgotten (a forgotten rank's next room fails as unregistered); a linked rank never
+    is, however long unused. Seen red without the bound: all 26 kept."""
+    monkeypatch.setattr(decode_peers, "MAX_SESSIONS", 8)
+    peers = DecodePeers(_Links(), threading.RLock(), replay=lambda msg: None, fail=lambda room, why: None)
+    try:
+        peers.register("live-0", {"engine_id": "live-0"})
+        for i in range(24):  # restarted ranks that never link
+            peers.register(f"gone-{i}", {"engine_id": f"gone-{i}"})
+        deadline = time.monotonic() + 10.0
+        while len(peers) > 8 and time.monotonic() < deadline:
+            peers.register("gone-last", {"engine_id": "gone-last"})  # forgets once attempts ended
+            time.sleep(0.05)
+        assert len(peers) <= 8
+        assert peers.registration("live-0") == {"engine_id": "live-0"}
+        assert peers.peer("live-0", [b"1"]) == "peer-live-0"
+        assert peers.registration("gone-0") is None and peers.peer("gone-0", [b"1"]) is None
+    finally:
+        peers.close()

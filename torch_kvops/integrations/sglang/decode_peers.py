@@ -19,6 +19,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set
 
@@ -33,6 +34,10 @@ log = logging.getLogger(__name__)
 CONNECT_THREADS = 4  # decode ranks connected at once
 MAX_HELD_ROOMS = 1024  # per decode rank while it connects; past that, its rooms fail
 STALE_BREAKER_S = 300.0  # a failed rank no room asked for since is forgotten
+# registrations kept: past that, the least recently used of the ranks with no link, no
+# attempt and no held room are forgotten (each restart of a decode server registers
+# its ranks under new sessions; the old ones never come back)
+MAX_SESSIONS = 1024
 HELD = "held"  # peer(): the room is held until its decode rank's link is made
 
 
@@ -53,7 +58,8 @@ class DecodePeers:
         self._conn, self._handle_lock = conn, handle_lock
         self._replay, self._fail = replay, fail
         self._lock = threading.Lock()
-        self._infos: Dict[str, dict] = {}  # session -> its peer_info, as last registered
+        # session -> its peer_info, as last registered; least recently used first
+        self._infos: "OrderedDict[str, dict]" = OrderedDict()
         self._peers: Dict[str, str] = {}
         self._held: Dict[str, List[List[bytes]]] = {}  # session -> rooms waiting for its link
         self._connecting: Set[str] = set()  # sessions with an attempt under way
@@ -71,11 +77,13 @@ class DecodePeers:
             self._breaker.forget_stale(STALE_BREAKER_S)  # ranks gone for good (restarted anew)
             known = self._infos.get(session)
             self._infos[session] = info
+            self._infos.move_to_end(session)
             if known == info and session in self._peers:
                 return  # the same rank again: its link stands (the connector checks it)
             self._peers.pop(session, None)
             start = session not in self._connecting
             self._connecting.add(session)
+            self._forget_unused()  # never this one: it is connecting
         if start:
             self._pool.submit(self._connect, session)
 
@@ -105,6 +113,7 @@ class DecodePeers:
                 self._count("broken")
             if session not in self._infos:
                 return None
+            self._infos.move_to_end(session)
             if session not in self._connecting and not self._breaker.may_try(session):
                 state = self._breaker.states().get(session, {})
                 raise RuntimeError(f"decode rank {session}: its link failed ({state.get('reason')}); "
@@ -119,6 +128,23 @@ class DecodePeers:
         if start:
             self._pool.submit(self._connect, session)
         return HELD
+
+    def _forget_unused(self) -> None:
+        """Under ``_lock``: keep at most MAX_SESSIONS registrations, dropping the least
+        recently used of those with no link, attempt or held room. A forgotten rank that
+        still lives fails its next room as one that never registered."""
+        excess = len(self._infos) - MAX_SESSIONS
+        for session in list(self._infos):
+            if excess <= 0:
+                return
+            if session not in self._peers and session not in self._connecting and session not in self._held:
+                del self._infos[session]
+                excess -= 1
+
+    def __len__(self) -> int:
+        """Registrations kept."""
+        with self._lock:
+            return len(self._infos)
 
     def held_rooms(self) -> Dict[str, List[int]]:
         """The rooms held while their decode rank's link is made, by the endpoint of
