@@ -12,10 +12,11 @@ import random
 import time
 import urllib.error
 import urllib.request
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from torch_kvops.serving import prometheus
 from torch_kvops.serving.model import random_prompt
+from torch_kvops.serving.sglang import SglangRouterSpec, SglangServerSpec
 
 from sglang_sabotage import serving_env
 
@@ -33,6 +34,7 @@ SETTLE_S = 180.0  # a fault's pages come back within: lease + fence + SGLang's t
 # each by default): a restarted server is back in the rotation within seconds (each
 # check may take SglangRouterSpec's health_check_timeout_s)
 ROUTER_CHECKS = ["--health-check-interval-secs", "5", "--cb-timeout-duration-secs", "10"]
+TP2 = ["--tp-size", "2"]
 
 
 def fleet_env(tmp: str, *standins: str, **settings) -> Dict[str, str]:
@@ -120,6 +122,34 @@ def differ_from_reference(servers, model: str, seed: int, n: int = 8, tag: str =
     print(f"\n[{tag}] seed {seed}: {len(differ)} of {n} answers differ: "
           + "; ".join(got[i][:120] for i in differ[:3]))
     return differ, got
+
+
+def sabotage_changes_the_answers(sabotage, modes: Sequence[str],
+                                 differ: Callable[[], Tuple[List[int], List[str]]]) -> List[int]:
+    """A negative control: with the sabotage ``modes`` on, at least 6 of the 8 answers
+    of ``differ()`` (:func:`differ_from_reference` of prompts of its own: pages left by
+    an earlier run of the same prompts would hold the right KV) differ from the
+    reference's, at least 3 of them answers rather than errors; the indices that differ."""
+    sabotage.set(*modes)
+    try:
+        differ_at, got = differ()
+    finally:
+        sabotage.set()
+    assert len(differ_at) >= 6, f"{modes}: only prompts {differ_at} of 8 answered differently"
+    assert len([i for i in differ_at if not got[i].startswith("<")]) >= 3, got
+    return differ_at
+
+
+def add_tp2_servers(servers, model: str, env: Dict[str, str], chunk: int) -> Tuple[object, object]:
+    """P (chunks of ``chunk`` tokens), D and the monolithic reference ("ref") at TP 2,
+    each rank bound to one core, and the router between P and D; (P, D)."""
+    tp2 = dict(env=dict(env, SGLANG_CPU_OMP_THREADS_BIND="0|1"), page_size=PAGE_SIZE)
+    p = servers.add(SglangServerSpec("P", model, role="prefill",
+                                     extra_args=TP2 + ["--chunked-prefill-size", str(chunk)], **tp2))
+    d = servers.add(SglangServerSpec("D", model, role="decode", extra_args=TP2, **tp2))
+    servers.add(SglangServerSpec("ref", model, role="monolithic", extra_args=TP2, **tp2))
+    servers.add(SglangRouterSpec("router", [p], [d], extra_args=ROUTER_CHECKS))
+    return p, d
 
 
 def count(samples, name: str, **labels) -> float:

@@ -11,37 +11,34 @@ tokens has sliding layers that forgot most of it.
 """
 from __future__ import annotations
 
-import math
 from typing import Dict
 
 import torch
 
-from .hf_model import context_model_weights, write_checkpoint
+from .hf_model import context_model_config, context_model_weights, write_checkpoint
 
 # q/k are RMS-normalised per head before the dot product: a gain of 2 on both gives
 # logits of std ~4 at head_dim 64, so each query weighs few positions
 QK_NORM_GAIN = 2.0
 
 
-def swa_model_config(*, layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
-                     window: int = 64, vocab: int = 1024, max_len: int = 4096) -> dict:
-    """config.json of the test Mellum: layers alternate sliding (even) and full (odd)."""
-    if hidden % heads or heads % kv_heads:
-        raise ValueError(f"hidden {hidden} must divide by heads {heads}, heads by kv_heads {kv_heads}")
-    return {
+def swa_model_config(*, layers: int = 4, window: int = 64, **kwargs) -> dict:
+    """config.json of the test Mellum: the test Llama's sizes (keyword arguments as
+    :func:`~torch_kvops.testing.hf_model.context_model_config`), layers alternating
+    sliding (even) and full (odd)."""
+    config = context_model_config(layers=layers, **kwargs)
+    rope = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+    hidden = config["hidden_size"]
+    config.update({
         "architectures": ["MellumForCausalLM"], "model_type": "mellum",
-        "hidden_size": hidden, "intermediate_size": hidden * 2, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": hidden // heads,
         "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
         "mlp_layer_types": ["dense"] * layers, "sliding_window": window,
         # the config class requires expert counts; no layer is sparse, so none exists
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden,
-        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
-        "vocab_size": vocab, "max_position_embeddings": max_len, "rms_norm_eps": 1e-6,
-        "attention_bias": False, "torch_dtype": "float32", "tie_word_embeddings": False,
-        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
-    }
+        "rope_parameters": {"full_attention": rope, "sliding_attention": dict(rope)},
+        "rms_norm_eps": 1e-6, "attention_bias": False,
+    })
+    return config
 
 
 def swa_model_weights(config: dict, seed: int = 0) -> Dict[str, torch.Tensor]:
