@@ -14,9 +14,9 @@ descriptors as whole slots would.
 
 Each destination head is sent once, by the lowest prefill rank that holds it (replicas
 on other prefill ranks send nothing), of the prefill ranks the engine tells that decode
-rank's destination to (SGLang tells each decode rank's to some only). Every (prefill rank, decode rank) pair that moves
-heads is one transfer "part" with its own id; a decode rank reports a request when
-every part it expects has ended, and failed if any part failed.
+rank's destination to (SGLang tells it to some only). Every (prefill rank, decode rank)
+pair that moves heads is one transfer "part" with its own id; a decode rank reports a
+request when every part it expects has ended, and failed if any part failed.
 """
 from __future__ import annotations
 

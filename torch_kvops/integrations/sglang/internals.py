@@ -6,6 +6,9 @@
 :func:`check` compares the installed SGLang with what was read: the version, and the
 signatures of the methods the backend overrides or calls. It runs when the plugin
 installs the backend, so a changed SGLang fails loudly at start-up, not in a transfer.
+The version check also guards the one behaviour relied on beyond names: which prefill
+ranks SGLang tells a decode rank's destination to (``CommonKVReceiver``'s rank mapping,
+mirrored by :func:`.heads.destination_ranks`).
 """
 from __future__ import annotations
 
