@@ -152,6 +152,23 @@ def add_tp2_servers(servers, model: str, env: Dict[str, str], chunk: int) -> Tup
     return p, d
 
 
+def rooms_of_a_load(servers, model: str, seed: int, n: int, router: str, prefill: str, decode: str,
+                    tag: str) -> Dict[str, float]:
+    """Rooms each of ``prefill`` and ``decode`` ended in a load of ``n`` prompts through
+    ``router``, whose answers equal the reference's; none failed."""
+    names = (prefill, decode)
+    before = {name: servers[name].metrics() for name in names}
+    assert differ_from_reference(servers, model, seed, n, tag, router=router)[0] == []
+    after = {name: servers[name].metrics() for name in names}
+    ended = {name: count(after[name], "rooms", label="success") - count(before[name], "rooms", label="success")
+             for name in names}
+    failed = {name: count(after[name], "rooms", label="failed") - count(before[name], "rooms", label="failed")
+              for name in names}
+    print(f"\n[{tag}] {prefill} -> {decode}: rooms ended {ended}, failed {failed}")
+    assert not any(failed.values()), failed
+    return ended
+
+
 def count(samples, name: str, **labels) -> float:
     return prometheus.total(samples, f"kvops_sglang_{name}_total", **labels)
 

@@ -22,8 +22,8 @@ from torch_kvops.serving.servers import Servers
 from torch_kvops.serving.sglang import SglangRouterSpec, SglangServerSpec
 
 from serving_fleet import workspace
-from sglang_fleet import (PAGE_SIZE, ROUTER_CHECKS, add_tp2_servers, count, differ_from_reference,
-                          fleet_env, pages_come_back, router_ready, sabotage_changes_the_answers,
+from sglang_fleet import (PAGE_SIZE, ROUTER_CHECKS, add_tp2_servers, count, differ_from_reference, fleet_env,
+                          pages_come_back, rooms_of_a_load, router_ready, sabotage_changes_the_answers,
                           serving)
 
 CHUNK = 256  # P's --chunked-prefill-size; prompts are 50-800 tokens
@@ -43,21 +43,13 @@ def fleet():
                 yield servers, model, sabotage
 
 
-def _rooms(servers, names, label: str):
-    return {n: count(servers[n].metrics(), "rooms", label=label) for n in names}
-
-
 def _load_equals_the_reference(fleet, seed: int, router: str, decode: str, decode_ranks: int) -> None:
     """N prompts at once through ``router``: the reference's answers; both prefill
     ranks and every rank of ``decode`` ended every room, none failed."""
     servers, model, _ = fleet
-    names = ("P", decode)
-    before = _rooms(servers, names, "success")
-    assert differ_from_reference(servers, model, seed, N, f"sglang replicas {router}", router=router)[0] == []
-    ended = {n: v - before[n] for n, v in _rooms(servers, names, "success").items()}
-    print(f"[sglang replicas] {router}: rooms ended {ended}")
+    ended = rooms_of_a_load(servers, model, seed, N, router, "P", decode, f"sglang replicas {router}")
     assert ended["P"] >= 2 * N and ended[decode] >= decode_ranks * N, ended
-    assert not any(_rooms(servers, names, "failed").values())
+    assert not any(count(servers[n].metrics(), "rooms", label="failed") for n in ("P", decode))
     with open(servers[decode].log_path) as f:
         assert "moved by KV head (1 of 1)" in f.read()
 

@@ -26,7 +26,8 @@ from torch_kvops.serving.sglang import SglangRouterSpec, SglangServerSpec
 from serving_fleet import workspace
 from sglang_fleet import (PAGE_SIZE, ROUTER_CHECKS, add_tp2_servers, answers, count,
                           differ_from_reference, fleet_env, pages_come_back, random_prompts,
-                          router_ready, router_serves_again, sabotage_changes_the_answers, serving)
+                          router_ready, router_serves_again, rooms_of_a_load, sabotage_changes_the_answers,
+                          serving)
 
 CHUNK = 256  # P's --chunked-prefill-size; prompts are 50-800 tokens
 
@@ -105,19 +106,8 @@ def _started(servers, server: str, router: str) -> Iterator[None]:
 
 
 def _rooms_of_a_load(fleet, seed: int, router: str, prefill: str, decode: str) -> Dict[str, float]:
-    """Rooms each server ended in a load of N prompts through ``router``, whose answers
-    equal the reference's; none failed."""
-    servers = fleet[0]
-    before = {name: servers[name].metrics() for name in (prefill, decode)}
-    assert _differ(fleet, seed=seed, n=N, router=router)[0] == []
-    after = {name: servers[name].metrics() for name in (prefill, decode)}
-    ended = {name: count(after[name], "rooms", label="success") - count(before[name], "rooms", label="success")
-             for name in (prefill, decode)}
-    failed = {name: count(after[name], "rooms", label="failed") - count(before[name], "rooms", label="failed")
-              for name in (prefill, decode)}
-    print(f"\n[sglang tp] {prefill} -> {decode}: rooms ended {ended}, failed {failed}")
-    assert not any(failed.values()), failed
-    return ended
+    servers, model, _ = fleet
+    return rooms_of_a_load(servers, model, seed, N, router, prefill, decode, f"sglang tp {router}")
 
 
 def _misplaced_heads_change_the_answers(fleet, seed: int, router: str, *modes: str) -> None:
