@@ -17,6 +17,9 @@ test's ``vllm_sabotage.Switch`` writes it), in the prefill server:
 - ``drop_layer``: the writes of one KV buffer (the keys of layer 1) move no byte (the
   transport reports success); every other layer arrives. ``drop_layer0``: the same
   for the keys of layer 0 (a sliding-window layer of the SWA model).
+- ``ignore_decode_prefix``: the forward's push takes no decode-side radix prefix
+  (as before stop 51): it pushes the prompt from its first page into a destination
+  that names pages for the rest only.
 - ``no_renewal`` (in the decode server): the prefill servers' notices of the rooms they
   still owe are dropped, so no lease is renewed while a room waits in a prefill queue.
 - ``short_lease`` (in the decode server): a room D expects gets a lease of
@@ -151,6 +154,12 @@ def install() -> None:
         return forward(self, original, runner, forward_batch, *args, **kwargs)
 
     LayerwisePrefill.forward = sabotaged_forward
+    skip_decode_prefix = LayerwisePrefill.skip_decode_prefix
+
+    def sabotaged_skip_decode_prefix(self, room, tokens):
+        return skip_decode_prefix(self, room, 0 if "ignore_decode_prefix" in modes() else tokens)
+
+    LayerwisePrefill.skip_decode_prefix = sabotaged_skip_decode_prefix
     expect = LayerwiseConnector.expect
 
     def sabotaged_expect(self, req_id, lease_s=None, blocks=None):

@@ -306,3 +306,58 @@ def test_decode_registrations_stay_bounded_while_decode_servers_restart(monkeypa
         assert peers.registration("gone-0") is None and peers.peer("gone-0", [b"1"]) is None
     finally:
         peers.close()
+
+
+@pytest.mark.parametrize("skipped", [0, 32])
+def test_the_forward_pushes_the_pages_past_the_decode_sides_prefix_as_sglang_counts_them(skipped):
+    """The layer-wise plan of a 100-token prompt in chunks of 48 tokens, pages of 16,
+    when the decode side holds its first ``skipped`` tokens (SGLang's decode radix
+    cache): only the pages past them leave, into the destination's pages from its
+    first, and the pages pushed are counted as SGLang's ``send()`` counts them (seen
+    red without the skip: the prompt's first pages left)."""
+    from torch_kvops.integrations.sglang.layerwise import LayerwisePrefill
+
+    page, prompt, room = 16, 100, 7
+    dest = Destination("peer", "tcp://d", np.arange(500, 500 + 7 - skipped // page), 0, "d1")
+    manager = NS(ready_destinations=lambda r: [dest] if r == room else [], counts=NS(add=lambda *a: None))
+    plan = LayerwisePrefill(manager, page, num_buffers=4)
+    plan.track("rid", room, prompt)
+    plan.skip_decode_prefix(room, skipped)
+    req_to_token = torch.arange(1024).reshape(4, 256) + 16 * 1000  # row 1: pages 1016...
+    sent_src, sent_dst = [], []
+    for start, length in ((0, 48), (48, 48), (96, 4)):
+        batch = NS(rids=["rid"], req_pool_indices=torch.tensor([1]), extend_prefix_lens_cpu=[start],
+                   extend_seq_lens_cpu=[length])
+        for req in plan.plan(batch, req_to_token):
+            sent_src += list(req.src_blocks)
+            sent_dst += list(req.dst_blocks)
+    first_page = 1000 + 256 // page + skipped // page
+    assert sent_src == list(range(first_page, 1000 + 256 // page + 7))
+    assert sent_dst == dest.pages.tolist()
+    # SGLang's send() after each forward (pages counted past the prefix): nothing left
+    pages = req_to_token[1, skipped:prompt:page].numpy() // page
+    assert plan.hand_off(room, pages, slice(0, len(pages)))[0].size == 0 and plan.pushed_last(room)
+
+
+def test_a_room_whose_cached_prefix_leaves_before_its_forward_is_pushed_in_order_by_the_push_thread():
+    """SGLang's early send of a prefix the prefill holds cached (before the forward that
+    computes the rest) hands its pages to the push thread; the forward then pushes none
+    of the room, and SGLang's send() after it hands the rest over, so the room's chunks
+    leave in order (seen red before: the forward pushed the whole room, its last chunk
+    ended it, and the early chunk was refused as "already reported finished")."""
+    from torch_kvops.integrations.sglang.layerwise import LayerwisePrefill
+
+    page, room = 16, 9
+    dest = Destination("peer", "tcp://d", np.arange(500, 507), 0, "d1")
+    manager = NS(ready_destinations=lambda r: [dest], counts=NS(add=lambda *a: None))
+    plan = LayerwisePrefill(manager, page, num_buffers=4)
+    plan.track("rid", room, 100)
+    plan.skip_decode_prefix(room, 0)
+    req_to_token = torch.arange(256).reshape(1, 256)
+    early = plan.hand_off(room, np.arange(4), slice(0, 4))[0]  # 64 tokens cached
+    assert early.tolist() == [0, 1, 2, 3]
+    batch = NS(rids=["rid"], req_pool_indices=torch.tensor([0]), extend_prefix_lens_cpu=[64],
+               extend_seq_lens_cpu=[36])
+    assert plan.plan(batch, req_to_token) == []
+    rest, index_slice = plan.hand_off(room, np.arange(4, 7), slice(4, 7))
+    assert rest.tolist() == [4, 5, 6] and index_slice == slice(4, 7) and not plan.pushed_last(room)

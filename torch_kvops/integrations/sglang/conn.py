@@ -21,6 +21,14 @@ class KvopsKVSender(sgl.CommonKVSender):
         if self.conclude_state is None:
             self.kv_mgr.abort_room(self.bootstrap_room, "aborted by the prefill engine")
 
+    def pop_decode_prefix_len(self) -> int:
+        """SGLang takes the decode side's cached prefix here, before the room's first
+        forward: the layer-wise push skips its tokens, as SGLang's ``send()`` does."""
+        tokens = super().pop_decode_prefix_len()
+        if self.kv_mgr.layerwise is not None:
+            self.kv_mgr.layerwise.skip_decode_prefix(self.bootstrap_room, tokens)
+        return tokens
+
     def clear(self) -> None:
         super().clear()
         self.kv_mgr.forget(self.bootstrap_room)

@@ -8,7 +8,9 @@ signatures of the methods the backend overrides or calls. It runs when the plugi
 installs the backend, so a changed SGLang fails loudly at start-up, not in a transfer.
 The version check also guards the one behaviour relied on beyond names: which prefill
 ranks SGLang tells a decode rank's destination to (``CommonKVReceiver``'s rank mapping,
-mirrored by :func:`.heads.destination_ranks`).
+mirrored by :func:`.heads.destination_ranks`), and that with a decode-side radix prefix
+the prefill takes its length (``pop_decode_prefix_len``) before the room's first forward
+and counts the pages it sends from there (``send()``'s index slices).
 """
 from __future__ import annotations
 
@@ -76,6 +78,8 @@ SIGNATURES: Dict[str, List[str]] = {
         "decode_prefix_len", "is_dummy", "device_kv_indices"],
     "CommonKVSender.send": ["kv_indices", "state_indices", "num_kv_tokens", "indices_event"],
     "CommonKVSender.abort": [],
+    # the decode side's radix prefix, taken before the room's first forward
+    "CommonKVSender.pop_decode_prefix_len": [],
     "CommonKVSender.poll": [],
     "CommonKVReceiver.init": ["prefill_dp_rank"],
     "CommonKVReceiver.send_metadata": ["kv_indices", "aux_index", "state_indices",

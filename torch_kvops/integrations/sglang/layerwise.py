@@ -25,7 +25,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
+
+import numpy as np
 
 from ...plan import TransferRequest
 
@@ -42,6 +44,8 @@ class _Room:
     room: int
     prompt_len: int
     pushed_tokens: int = 0  # tokens of the prompt whose pages were pushed in a forward
+    decode_prefix: int = 0  # tokens the decode side holds already (its radix cache): never sent
+    handed_off: bool = False  # the push thread has a chunk of it: forwards push no more of it
 
 
 class LayerwisePrefill:
@@ -70,9 +74,34 @@ class LayerwisePrefill:
         with self._lock:
             self._rooms[rid] = _Room(room, prompt_len)
 
-    def pushed_pages(self, room: int) -> int:
+    def skip_decode_prefix(self, room: int, tokens: int) -> None:
+        """The decode side holds the room's first ``tokens`` already (SGLang's decode
+        radix cache): its destination names pages for the rest only, and SGLang's
+        ``send()`` counts pages from there, so the forward's pushes do too."""
         with self._lock:
-            return self._pushed_pages.get(room, 0)
+            tracked = self._tracked(room)
+            if tracked is not None:
+                tracked.decode_prefix = tokens
+        self.manager.counts.add("kvops_sglang_decode_prefix_tokens", tokens)
+
+    def hand_off(self, room: int, pages: np.ndarray, index_slice: slice) -> Tuple[np.ndarray, slice]:
+        """SGLang's ``send()`` of the room's pages ``index_slice``: those the forwards
+        did not push, for the push thread. Once it has some, the forwards push no more
+        of the room, so its chunks leave in order: SGLang sends a prefix it holds
+        cached before the forward that computes the rest (its early send), and a
+        forward pushing the last chunk first would end the room before it."""
+        with self._lock:
+            done = self._pushed_pages.get(room, 0) - index_slice.start
+            if done > 0:  # the forward pushed these (or some)
+                pages, index_slice = pages[done:], slice(index_slice.start + done, index_slice.stop)
+            tracked = self._tracked(room)
+            if tracked is not None and len(pages):
+                tracked.handed_off = True
+        return pages, index_slice
+
+    def _tracked(self, room: int) -> Optional[_Room]:
+        """Under the lock."""
+        return next((t for t in self._rooms.values() if t.room == room), None)
 
     def pushed_last(self, room: int) -> bool:
         with self._lock:
@@ -99,21 +128,21 @@ class LayerwisePrefill:
         for rid, row, prefix, length in zip(rids, pool_rows, prefixes, lengths):
             with self._lock:
                 tracked = self._rooms.get(rid)
-            if tracked is None:
+            if tracked is None or tracked.handed_off:
                 continue
+            p, skipped = self.page_size, tracked.decode_prefix
             destinations = self.manager.ready_destinations(tracked.room)
-            if not destinations:
-                continue  # not ready (or a decode radix prefix): the push thread sends it
+            if not destinations or skipped % p:
+                continue  # not ready (or an unaligned prefix): the push thread sends it
             end = int(prefix) + int(length)
             last = end >= tracked.prompt_len
             if not last:
-                end -= end % self.page_size
-            start = tracked.pushed_tokens
+                end -= end % p
+            start = max(tracked.pushed_tokens, skipped)
             if end <= start:
                 continue
-            p = self.page_size
             src = (req_to_token[row, start:end:p] // p).tolist()
-            first, stop = start // p, -(-end // p)
+            first, stop = (start - skipped) // p, -(-(end - skipped) // p)
             requests += [dest.request(tracked.room, src, slice(first, stop), last) for dest in destinations]
             with self._lock:
                 tracked.pushed_tokens = end

@@ -216,19 +216,15 @@ class KvopsKVManager(sgl.CommonKVManager):
         thread (host caches: the forward's writes are done when this is called)."""
         if self.check_status(bootstrap_room) == sgl.KVPoll.Failed:
             return
-        pages = np.asarray(kv_indices, dtype=np.int64)
-        done = self.layerwise.pushed_pages(bootstrap_room) - index_slice.start
-        if done > 0:  # the forward pushed these (or some): the rest, and the metadata row
-            pages, index_slice = pages[done:], slice(index_slice.start + done, index_slice.stop)
+        pages, index_slice = self.layerwise.hand_off(bootstrap_room, np.asarray(kv_indices, dtype=np.int64),
+                                                     index_slice)
         last = bool(is_last_chunk)
         self.pushes.push(bootstrap_room, pages, index_slice, last, aux_index,
                          last and self.layerwise.pushed_last(bootstrap_room))
 
     def ready_destinations(self, room: int) -> List[Destination]:
-        """A room's destinations once all arrived (none with a decode-side prefix: its
-        pages are pushed after the forward, by the push thread)."""
-        if self.request_status.get(room) != sgl.KVPoll.WaitingForInput \
-                or self.req_to_decode_prefix_len.get(room, 0):
+        """A room's destinations once all arrived."""
+        if self.request_status.get(room) != sgl.KVPoll.WaitingForInput:
             return []
         return self.destinations(room)
 
