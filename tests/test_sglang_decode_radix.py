@@ -149,7 +149,8 @@ def test_a_prefix_the_prefill_holds_leaves_before_its_forward_and_the_rest_after
     those pages before the forward that computes the rest (its early send), and the
     push thread then sends the rest after that forward, in order. Every answer equals
     the reference's and no room fails (before stop 51 the forward pushed the whole
-    room, whose last chunk ended it first: 5 of 12 rooms failed on P, by hand)."""
+    room, whose last chunk ended it first: in a run by hand of 12 requests, 5 rooms
+    failed on P)."""
     servers = fleet[0]
     first = random_prompts(seed=64, n=4)
     assert _turn(fleet, first, "router2")[0] == []

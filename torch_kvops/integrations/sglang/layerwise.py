@@ -16,8 +16,11 @@ do nothing where no ``kvops`` prefill manager runs):
   the layer's event on the compute stream, never a stream sync).
 
 SGLang's ``send()`` for a chunk pushed this way then only sends the metadata row (last
-chunk); a chunk the forward did not push (its destination came later) is pushed then,
-whole, by the manager's push thread.
+chunk); a chunk the forward did not push (its destination came later, or SGLang sent a
+prefix it holds cached before the forward) is pushed then by the manager's push thread,
+and so is the rest of its room, so a room's chunks leave in order. Pages the decode
+side holds already (its radix cache) are never pushed: a room's pages are counted past
+them, as SGLang's ``send()`` counts them.
 """
 from __future__ import annotations
 
