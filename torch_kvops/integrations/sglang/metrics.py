@@ -15,8 +15,8 @@ HELP = {
     "kvops_sglang_layers_landed_during_forward": "Of those, the ones whose bytes landed "
                                                  "on the decode side before the forward ended",
     "kvops_sglang_rooms": "Rooms ended, by role and outcome",
-    "kvops_sglang_decode_prefix_tokens": "Prefill: prompt tokens not sent because the decode "
-                                         "side held them (SGLang's decode radix cache)",
+    "kvops_sglang_decode_prefix_tokens": "Prefill, per rank: prompt tokens not sent because "
+                                         "the decode side held them (its radix cache)",
     "kvops_sglang_lease_renewals": "Decode: leases renewed because the prefill server said "
                                    "it still owes the room",
     "kvops_sglang_refused_messages": "The backend's ZMQ messages refused: not signed with the "
