@@ -35,6 +35,11 @@ SETTLE_S = 180.0  # a fault's pages come back within: lease + fence + SGLang's t
 # check may take SglangRouterSpec's health_check_timeout_s)
 ROUTER_CHECKS = ["--health-check-interval-secs", "5", "--cb-timeout-duration-secs", "10"]
 TP2 = ["--tp-size", "2"]
+# of the layers a prefill pushed in its forwards, the share that must land before their
+# forward ended: 47-100% did in runs here (67 of 144 in the SWA fleet of stop 51's CI
+# pre-run, 2 shared cores); pushed only as the forward ends (no hook after the KV
+# writes), 3-6 of 84-88 did in the MLA fleet
+LANDED_IN_FORWARD = 0.25
 
 
 def fleet_env(tmp: str, *standins: str, **settings) -> Dict[str, str]:
