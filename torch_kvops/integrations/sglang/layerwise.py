@@ -44,9 +44,12 @@ _PREFILL: Optional["LayerwisePrefill"] = None  # this process's, if it runs a kv
 
 @dataclass
 class _Room:
+    rid: str
     room: int
     prompt_len: int
     pushed_tokens: int = 0  # tokens of the prompt whose pages were pushed in a forward
+    pushed_pages: int = 0  # pages pushed in forwards, counted as SGLang's send() counts them
+    pushed_last: bool = False  # a forward pushed its last chunk
     decode_prefix: int = 0  # tokens the decode side holds already (its radix cache): never sent
     handed_off: bool = False  # the push thread has a chunk of it: forwards push no more of it
 
@@ -61,8 +64,7 @@ class LayerwisePrefill:
         self.manager, self.page_size, self.num_buffers = manager, page_size, num_buffers
         self.num_layers = num_buffers if latent else num_buffers // 2
         self._rooms: Dict[str, _Room] = {}  # by SGLang request id
-        self._pushed_pages: Dict[int, int] = {}  # room -> pages pushed in forwards
-        self._pushed_last: Set[int] = set()  # rooms whose last chunk a forward pushed
+        self._by_room: Dict[int, _Room] = {}  # the same, by room
         self._lock = threading.Lock()
         self._saved: Optional[Set[int]] = None  # layers saved in the running forward's step
         self._last_forward_end: Optional[float] = None  # of the last forward that pushed
@@ -75,14 +77,14 @@ class LayerwisePrefill:
 
     def track(self, rid: str, room: int, prompt_len: int) -> None:
         with self._lock:
-            self._rooms[rid] = _Room(room, prompt_len)
+            self._rooms[rid] = self._by_room[room] = _Room(rid, room, prompt_len)
 
     def skip_decode_prefix(self, room: int, tokens: int) -> None:
         """The decode side holds the room's first ``tokens`` already (SGLang's decode
         radix cache): its destination names pages for the rest only, and SGLang's
         ``send()`` counts pages from there, so the forward's pushes do too."""
         with self._lock:
-            tracked = self._tracked(room)
+            tracked = self._by_room.get(room)
             if tracked is not None:
                 tracked.decode_prefix = tokens
         self.manager.counts.add("kvops_sglang_decode_prefix_tokens", tokens)
@@ -94,28 +96,26 @@ class LayerwisePrefill:
         cached before the forward that computes the rest (its early send), and a
         forward pushing the last chunk first would end the room before it."""
         with self._lock:
-            done = self._pushed_pages.get(room, 0) - index_slice.start
+            tracked = self._by_room.get(room)
+            if tracked is None:
+                return pages, index_slice
+            done = tracked.pushed_pages - index_slice.start
             if done > 0:  # the forward pushed these (or some)
                 pages, index_slice = pages[done:], slice(index_slice.start + done, index_slice.stop)
-            tracked = self._tracked(room)
-            if tracked is not None and len(pages):
+            if len(pages):
                 tracked.handed_off = True
         return pages, index_slice
 
-    def _tracked(self, room: int) -> Optional[_Room]:
-        """Under the lock."""
-        return next((t for t in self._rooms.values() if t.room == room), None)
-
     def pushed_last(self, room: int) -> bool:
         with self._lock:
-            return room in self._pushed_last
+            tracked = self._by_room.get(room)
+            return tracked is not None and tracked.pushed_last
 
     def forget(self, room: int) -> None:
         with self._lock:
-            self._pushed_pages.pop(room, None)
-            self._pushed_last.discard(room)
-            for rid in [r for r, t in self._rooms.items() if t.room == room]:
-                del self._rooms[rid]
+            tracked = self._by_room.pop(room, None)
+            if tracked is not None and self._rooms.get(tracked.rid) is tracked:
+                del self._rooms[tracked.rid]
 
     # ------------------------------------------------------------- the forward
 
@@ -149,9 +149,9 @@ class LayerwisePrefill:
             requests += [dest.request(tracked.room, src, slice(first, stop), last) for dest in destinations]
             with self._lock:
                 tracked.pushed_tokens = end
-                self._pushed_pages[tracked.room] = stop
+                tracked.pushed_pages = stop
                 if last:
-                    self._pushed_last.add(tracked.room)
+                    tracked.pushed_last = True
         return requests
 
     def forward(self, original, runner, forward_batch, *args, **kwargs):
