@@ -6,7 +6,7 @@ sent, and the sender turns each layer into merged (src, dst, length) descriptors
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Set, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -20,6 +20,10 @@ class TransferRequest:
     block of the peer's caches) for every layer. A request spanning several steps
     (chunked prefill) is sent with ``last_chunk=False`` until its final chunk; the
     consumer reports it finished only after every layer of every chunk landed.
+
+    ``layer_first_block`` (layer -> k): that layer moves only ``src_blocks[k:]``, the
+    blocks before them are not moved for it (a sliding-window layer's blocks before its
+    window, which the consumer never reads); layers not named move every block.
     """
 
     req_id: str
@@ -27,6 +31,11 @@ class TransferRequest:
     src_blocks: Sequence[int]
     dst_blocks: Sequence[int]
     last_chunk: bool = True
+    layer_first_block: Optional[Mapping[int, int]] = field(default=None, hash=False)
+
+    def first_block(self, layer: int) -> int:
+        """The index of the first block ``layer`` moves (0: every block)."""
+        return self.layer_first_block.get(layer, 0) if self.layer_first_block else 0
 
 
 @dataclass(frozen=True)
@@ -125,6 +134,7 @@ def validate_step(requests: Sequence[TransferRequest], local: KVLayout,
                              f"not {req.peer!r}")
         try:
             src, dst = _checked_blocks(req, local_blocks, peers)
+            _check_first_blocks(req, src.size, len(local.layers))
         except ValueError as exc:
             if not partial:
                 raise
@@ -168,6 +178,25 @@ def _checked_blocks(req: TransferRequest, local_blocks: int,
     _check_range(req.req_id, "source", src, local_blocks, "locally")
     _check_range(req.req_id, "destination", dst, peer_blocks, f"on peer {req.peer!r}")
     return src, dst
+
+
+def _check_first_blocks(req: TransferRequest, num_blocks: int, num_layers: int) -> None:
+    """``layer_first_block`` names layers of the caches, each with an index within the
+    request's blocks, and some layer moves some block (a request moving nothing has
+    no blocks)."""
+    firsts = req.layer_first_block
+    if not firsts:
+        return
+    for layer, first in firsts.items():
+        if type(layer) is not int or not 0 <= layer < num_layers:
+            raise ValueError(f"request {req.req_id!r}: layer_first_block names layer {layer!r} "
+                             f"({num_layers} layers)")
+        if type(first) is not int or not 0 <= first <= num_blocks:
+            raise ValueError(f"request {req.req_id!r}: layer_first_block[{layer}] = {first!r} "
+                             f"is not within its {num_blocks} blocks")
+    if num_blocks and len(firsts) == num_layers and min(firsts.values()) == num_blocks:
+        raise ValueError(f"request {req.req_id!r}: layer_first_block moves none of its {num_blocks} "
+                         "blocks in any layer (name no blocks instead)")
 
 
 def _block_ids(req_id: str, name: str, blocks) -> np.ndarray:

@@ -67,7 +67,9 @@ class ConsumerIntegrity:
         verification. A request whose notice is malformed, in a mode weaker than this
         consumer asks for, or the wrong size for its blocks fails here."""
         layer, mode, reqs = message.get("layer"), message.get("mode"), message.get("reqs")
-        if type(layer) is not int or not 0 <= layer < len(self._caches) or not isinstance(reqs, dict):
+        firsts = message.get("first", {})  # requests whose layer moved its blocks from the k-th on
+        if (type(layer) is not int or not 0 <= layer < len(self._caches) or not isinstance(reqs, dict)
+                or not isinstance(firsts, dict)):
             raise ValueError("malformed digests notice")
         with self._ledger.lock:
             for req_id, digests in reqs.items():
@@ -79,17 +81,19 @@ class ConsumerIntegrity:
                     log.warning("ignoring digests for request %s from producer %s: it did not "
                                 "begin it", req_id, session.producer)
                     continue
-                problem = self._digests_problem(entry, mode, digests)
+                first = firsts.get(req_id, 0)
+                problem = self._digests_problem(entry, mode, digests, first)
                 if problem is not None:
                     self._fail_integrity_locked(str(req_id), problem)
                     continue
                 entry.digest_mode = mode
                 entry.digested_layers.add(layer)
-                self._verifier_locked().submit_layer(str(req_id), entry, self._digester(mode), layer,
-                                                     np.array(entry.step_dst, dtype=np.int64),
-                                                     bytes.fromhex(digests))
+                if first < len(entry.step_dst):
+                    self._verifier_locked().submit_layer(str(req_id), entry, self._digester(mode), layer,
+                                                         np.array(entry.step_dst[first:], dtype=np.int64),
+                                                         bytes.fromhex(digests))
 
-    def _digests_problem(self, entry: _Incoming, mode, digests) -> Optional[str]:
+    def _digests_problem(self, entry: _Incoming, mode, digests, first) -> Optional[str]:
         if mode not in INTEGRITY_MODES or mode == "off":
             return f"digests in an unknown mode {mode!r}"
         if INTEGRITY_MODES.index(mode) < INTEGRITY_MODES.index(self._config.integrity_mode):
@@ -98,7 +102,9 @@ class ConsumerIntegrity:
             return f"digests in mode {mode!r} after {entry.digest_mode!r}"
         if any(c.device.type != "cpu" for c in self._caches):
             return "digests for device caches: the integrity check needs host caches"
-        if not isinstance(digests, str) or len(digests) != 2 * DIGEST_BYTES * len(entry.step_dst):
+        if type(first) is not int or not 0 <= first <= len(entry.step_dst):
+            return f"digests from block {first!r} of the step's {len(entry.step_dst)}"
+        if not isinstance(digests, str) or len(digests) != 2 * DIGEST_BYTES * (len(entry.step_dst) - first):
             return "malformed digests (not one per block of the step)"
         try:
             bytes.fromhex(digests)

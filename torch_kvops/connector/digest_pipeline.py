@@ -32,20 +32,24 @@ class DigestPipeline:
         self._stats = stats
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvops-digest")
         # per peer id: (layer, digests) in layer order; each deque is one lane's
-        self._pending: Dict[str, Deque[Tuple[int, Future]]] = {}
+        self._pending: Dict[str, Deque[Tuple[int, Future, Dict[str, int]]]] = {}
 
-    def submit(self, peer: PeerLink, layer: int, req_blocks: Dict[str, np.ndarray]) -> None:
-        """Digest ``layer`` of each request's source blocks (already written to ``peer``)."""
+    def submit(self, peer: PeerLink, layer: int, req_blocks: Dict[str, np.ndarray],
+               firsts: Optional[Dict[str, int]] = None) -> None:
+        """Digest ``layer`` of each request's source blocks (already written to ``peer``).
+        ``firsts``: per request whose layer moved only its blocks from the k-th on
+        (``TransferRequest.layer_first_block``), that k, sent with the digests."""
         digester = peer.digester
         assert digester is not None
         job = self._pool.submit(self._digest, digester, layer, req_blocks)
-        self._pending.setdefault(peer.peer_id, deque()).append((layer, job))
+        self._pending.setdefault(peer.peer_id, deque()).append((layer, job, firsts or {}))
 
     def _digest(self, digester: BlockDigester, layer: int,
                 req_blocks: Dict[str, np.ndarray]) -> Dict[str, str]:
         t0 = time.perf_counter()
         # one call over the step's blocks of every request (the native op parallelises it)
-        merged = digester.layer_digests(layer, np.concatenate(list(req_blocks.values())))
+        blocks = np.concatenate(list(req_blocks.values()))
+        merged = digester.layer_digests(layer, blocks) if blocks.size else b""
         out, at = {}, 0
         for req_id, src in req_blocks.items():
             out[req_id] = merged[at:at + src.size * DIGEST_BYTES].hex()
@@ -60,13 +64,15 @@ class DigestPipeline:
         ``failed_peers``; a failed peer's notices are dropped."""
         pending = self._pending.get(peer.peer_id)
         while pending and (wait or pending[0][1].done()):
-            layer, future = pending.popleft()
+            layer, future, firsts = pending.popleft()
             digests = future.result()  # an exception here is the lane's (reported)
             if peer.peer_id in failed_peers:
                 continue
+            notice = {"op": "digests", "layer": layer, "mode": peer.digester.mode, "reqs": digests}
+            if firsts:
+                notice["first"] = firsts
             try:
-                peer.send({"op": "digests", "layer": layer, "mode": peer.digester.mode,
-                           "reqs": digests})
+                peer.send(notice)
             except PeerFailed as exc:
                 failed_peers.setdefault(peer.peer_id, str(exc))
 

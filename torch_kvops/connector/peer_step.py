@@ -242,21 +242,27 @@ class PeerStep:
         if self._failed is not None or not self._src.size:
             return
         peer = self.peer
-        descriptors = layer_descriptors(self._layout.layers[layer], peer.layout.layers[layer],
-                                        self._src, self._dst)
-        try:
-            retries, staged_at = peer.write_layer(layer, self._src, self._dst, *descriptors,
-                                                  prefetch=prefetch)
-        except PeerFailed as exc:
-            self._fail(str(exc))
-            return
+        src, dst = self._src, self._dst
+        if self._windowed:
+            src, dst = self._layer_blocks(layer)
+            if prefetch is not None and self._firsts(prefetch) != self._firsts(layer):
+                prefetch = None  # the staged prefetch gathers this layer's blocks
+        if src.size:
+            descriptors = layer_descriptors(self._layout.layers[layer], peer.layout.layers[layer], src, dst)
+            try:
+                retries, staged_at = peer.write_layer(layer, src, dst, *descriptors, prefetch=prefetch)
+            except PeerFailed as exc:
+                self._fail(str(exc))
+                return
+            if staged_at is not None:
+                self.staged[layer] = staged_at
+            if retries:
+                self._step.retried_peers.add(peer.peer_id)
         self.landed[layer] = time.perf_counter()
-        if staged_at is not None:
-            self.staged[layer] = staged_at
-        if retries:
-            self._step.retried_peers.add(peer.peer_id)
         if peer.digester is not None:  # integrity check: digested on the digest worker
-            self._digests.submit(peer, layer, {req.req_id: src for req, src, _ in self._entries})
+            firsts = dict(zip((req.req_id for req, _, _ in self._entries), self._firsts(layer)))
+            self._digests.submit(peer, layer, {req.req_id: s[firsts[req.req_id]:] for req, s, _ in self._entries},
+                                 {r: f for r, f in firsts.items() if f})
         self._digests.send_ready(peer, self._step.failed_peers)  # earlier layers', if done
 
     def _conclude(self) -> None:
@@ -266,14 +272,17 @@ class PeerStep:
         with self._lock:
             self._concluding = True
         self._drop_aborted()
-        bytes_per_block = sum(layer.block_bytes for layer in self._layout.layers)
+        layers = self._layout.layers
         self._digests.send_ready(peer, self._step.failed_peers, wait=True)  # before chunk notices
         for req, src, dst in self._entries:
             if self._failed is None:
                 try:
-                    # dst: what landed, so a request that fails later can keep it
+                    moved = sum((src.size - req.first_block(i)) * layer.block_bytes
+                                for i, layer in enumerate(layers))
+                    # dst: what landed (every layer's blocks from its first), so a
+                    # request that fails later can keep it
                     peer.send({"op": "chunk", "req": req.req_id, "last": req.last_chunk,
-                               "bytes": int(src.size) * bytes_per_block, "dst": dst.tolist()})
+                               "bytes": int(moved), "dst": dst.tolist()})
                     if req.last_chunk:
                         # a retried write's first attempt may still read its source
                         self._ledger.report(req.req_id, ok=True, hold=peer.quarantine())
@@ -311,6 +320,20 @@ class PeerStep:
         empty = np.zeros(0, dtype=np.int64)
         self._src = np.concatenate([s for _, s, _ in self._entries]) if self._entries else empty
         self._dst = np.concatenate([d for _, _, d in self._entries]) if self._entries else empty
+        self._windowed = any(req.layer_first_block for req, _, _ in self._entries)
+
+    def _firsts(self, layer: int) -> Tuple[int, ...]:
+        """Per request, the index of the first of its blocks ``layer`` moves."""
+        return tuple(req.first_block(layer) for req, _, _ in self._entries)
+
+    def _layer_blocks(self, layer: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The blocks ``layer`` moves, merged over the requests (``layer_first_block``)."""
+        firsts = self._firsts(layer)
+        if not any(firsts):
+            return self._src, self._dst
+        src = np.concatenate([s[f:] for (_, s, _), f in zip(self._entries, firsts)])
+        dst = np.concatenate([d[f:] for (_, _, d), f in zip(self._entries, firsts)])
+        return src, dst
 
 
 class InlinePeerStep(PeerStep):
