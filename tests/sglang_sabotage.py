@@ -20,6 +20,10 @@ test's ``vllm_sabotage.Switch`` writes it), in the prefill server:
 - ``ignore_decode_prefix``: the forward's push takes no decode-side radix prefix
   (as before stop 51): it pushes the prompt from its first page into a destination
   that names pages for the rest only.
+- ``short_window``: a sliding layer's window is taken as a quarter of its size, so
+  the pages of its window's first three quarters (and more) are not pushed.
+- ``window_to_caching_decode``: sliding layers' windows only, to a decode server with
+  its radix cache too.
 - ``no_renewal`` (in the decode server): the prefill servers' notices of the rooms they
   still owe are dropped, so no lease is renewed while a room waits in a prefill queue.
 - ``short_lease`` (in the decode server): a room D expects gets a lease of
@@ -77,6 +81,7 @@ def install() -> None:
     from torch_kvops.integrations.sglang.owed_notices import STILL_OWED
     from torch_kvops.integrations.sglang.push_queue import PushQueue
     from torch_kvops.transports.mooncake import MooncakeTransport
+    from torch_kvops.integrations.sglang.windows import SlidingWindows
 
     ready_destinations = KvopsKVManager.ready_destinations
     run = PushQueue._run
@@ -107,7 +112,7 @@ def install() -> None:
 
     request = Destination.request
 
-    def sabotaged_request(self, room, src_pages, dst, last):
+    def sabotaged_request(self, room, src_pages, dst, last, windows=None):
         if "misplace_heads" in modes() and self.part is not None:
             part, n = self.part, len(self.part.heads)
             if part.dst_heads > n:
@@ -115,7 +120,9 @@ def install() -> None:
             else:
                 part = dataclasses.replace(part, src_offset=(part.src_offset + n) % part.src_heads)
             self = dataclasses.replace(self, part=part)
-        return request(self, room, src_pages, dst, last)
+        if "window_to_caching_decode" in modes() and self.part is None:
+            self = dataclasses.replace(self, windowed=True)
+        return request(self, room, src_pages, dst, last, windows)
 
     Destination.request = sabotaged_request
     KvopsKVManager.ready_destinations = sabotaged_ready_destinations
@@ -174,3 +181,11 @@ def install() -> None:
         return None if "unverified" in modes() else verify(self, *args, **kwargs)
 
     Verifier._verify = sabotaged_verify
+    cut = SlidingWindows.cut
+
+    def sabotaged_cut(self, *args):
+        if "short_window" in modes():
+            self = dataclasses.replace(self, windows={b: w // 4 for b, w in self.windows.items()})
+        return cut(self, *args)
+
+    SlidingWindows.cut = sabotaged_cut

@@ -129,9 +129,9 @@ def test_a_chunk_without_the_digests_of_every_layer_fails(monkeypatch):
     is unverified, so the request fails."""
     submit = producer_module.DigestPipeline.submit
 
-    def skip_last_layer(self, peer, layer, req_blocks):
+    def skip_last_layer(self, peer, layer, req_blocks, firsts=None):
         if layer != LAYERS - 1:
-            submit(self, peer, layer, req_blocks)
+            submit(self, peer, layer, req_blocks, firsts)
 
     monkeypatch.setattr(producer_module.DigestPipeline, "submit", skip_last_layer)
     finished, failed, stats, right = run("direct", None, consumer_check="checksum", producer_check=False)

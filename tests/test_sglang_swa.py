@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 from typing import Dict, List
@@ -28,16 +29,18 @@ from typing import Dict, List
 import pytest
 
 from torch_kvops.serving import prometheus
+from torch_kvops.serving.model import random_prompt
 from torch_kvops.serving.servers import ServerError, Servers
 from torch_kvops.serving.sglang import SglangRouterSpec, SglangServerSpec, sglang_python
 
 from serving_fleet import workspace
 from sglang_fleet import (LANDED_IN_FORWARD, MAX_TOKENS, PAGE_SIZE, ROUTER_CHECKS, answers, count,
                           differ_from_reference, fleet_env, pages_come_back, random_prompts,
-                          sabotage_changes_the_answers, serving)
+                          router_serves_again, sabotage_changes_the_answers, serving)
 
 CHUNK = 256  # P's --chunked-prefill-size
 ONE_POOL = ["--disable-hybrid-swa-memory"]
+DECODE_RADIX = "--disaggregation-decode-enable-radix-cache"
 HF_GREEDY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_greedy.py")
 
 
@@ -52,8 +55,12 @@ def fleet():
             d = servers.add(SglangServerSpec("D", model, role="decode", extra_args=ONE_POOL, **same))
             servers.add(SglangServerSpec("ref", model, role="monolithic", extra_args=ONE_POOL, **same))
             servers.add(SglangRouterSpec("router", [p], [d], extra_args=ROUTER_CHECKS))
-            # started by its test only: a prefill server with SGLang's hybrid pool
+            # started by their tests only: a prefill server with SGLang's hybrid pool; a
+            # decode server with its radix cache, behind a router of its own
             servers.add(SglangServerSpec("P-hybrid", model, role="prefill", **same))
+            d_radix = servers.add(SglangServerSpec("D-radix", model, role="decode",
+                                                   extra_args=ONE_POOL + [DECODE_RADIX], **same))
+            servers.add(SglangRouterSpec("router-radix", [p], [d_radix], extra_args=ROUTER_CHECKS))
             with serving(servers, ["P", "D", "ref"]):
                 yield servers, model, sabotage
 
@@ -114,7 +121,23 @@ def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_each_laye
     layers, early = count(p, "layers"), count(p, "layers_landed_during_forward")
     print(f"\n[sglang swa] {early:.0f} of {layers:.0f} pushed layers landed before their forward ended")
     assert layers > 0 and early >= layers * LANDED_IN_FORWARD, (early, layers)
+    # the sliding layers' pages before their window stayed on P (windows.py)
+    skipped = count(p, "window_pages_skipped")
+    print(f"[sglang swa] {skipped:.0f} pages of sliding layers' K and V buffers not pushed")
+    assert skipped > 0
     pages_come_back(servers, ["P", "D"])
+
+
+def test_negative_control_a_window_pushed_short_changes_the_answers(fleet):
+    """P takes each sliding layer's window as a quarter of its size (``short_window``):
+    the pages of the window's first three quarters are not pushed, and D reads what
+    its pages held before. D's checks stay on (they vouch for the pages pushed): the
+    answers differ, so the window P pushes is the one D reads."""
+    servers = fleet[0]
+    before = count(prometheus.fetch(servers["P"].url), "window_pages_skipped")
+    sabotage_changes_the_answers(fleet[2], ("short_window",), lambda: _differ(fleet, 45))
+    assert count(prometheus.fetch(servers["P"].url), "window_pages_skipped") > before
+    assert _differ(fleet, seed=46, n=4)[0] == []  # and the fleet is whole again
 
 
 @pytest.mark.parametrize("mode", ["drop_layer", "drop_layer0"])
@@ -136,3 +159,48 @@ def test_a_prefill_server_with_the_hybrid_pool_fails_at_start_up_naming_the_flag
     log = open(servers["P-hybrid"].log_path).read()
     assert "does not support state pools ['swa'] (a sliding-window model moves with " \
            "--disable-hybrid-swa-memory on every server of the fleet)" in log, log[-3000:]
+
+
+def _shared_starts(fleet, seed: int, n: int = 6) -> List[int]:
+    """Through the router to the decode server with its radix cache: ``n`` prompts of
+    600 words, then ``n`` that begin with the first 320 words of one of them and end
+    with 10 words of their own. D holds those 320 tokens (its radix cache) and P sends
+    the rest; D's last sliding window of each reaches back 53 tokens into that prefix,
+    which lay before the window of the first prompt. The indices of the second
+    prompts whose answers differ from the reference's."""
+    servers, model, _ = fleet
+    rng = random.Random(seed)
+    firsts = [random_prompt(600, 1024, rng) for _ in range(n)]
+    seconds = [" ".join(p.split()[:320] + random_prompt(10, 1024, rng).split()) for p in firsts]
+    differ = {}
+    for which, prompts in (("first", firsts), ("second", seconds)):
+        got = answers(servers["router-radix"].url, model, prompts)
+        reference = answers(servers["ref"].url, model, prompts)
+        assert not [a for a in reference if a.startswith("<")], reference
+        differ[which] = [i for i, (a, r) in enumerate(zip(got, reference)) if a != r]
+    assert differ["first"] == [], differ  # a prompt D holds nothing of: its windows suffice
+    differ = differ["second"]
+    print(f"\n[sglang swa] seed {seed}: {len(differ)} of {n} second prompts answer otherwise")
+    return differ
+
+
+def test_a_decode_server_with_its_radix_cache_gets_every_page_of_the_sliding_layers(fleet):
+    """A D with its radix cache reads a finished prompt's pages again for a later prompt
+    that begins with it, the sliding layers' pages before that prompt's window too: P
+    pushes it every page (D says so when it registers; windows.py). Every answer equals
+    the reference's, and D held the shared starts. Negative control, in the suite: P
+    pushes D the windows only anyway (``window_to_caching_decode``): the second prompts
+    answer otherwise."""
+    servers, model, sabotage = fleet
+    servers.start(["D-radix", "router-radix"], 600)
+    router_serves_again(servers, model, router="router-radix")
+    held = count(prometheus.fetch(servers["P"].url), "decode_prefix_tokens")
+    assert _shared_starts(fleet, seed=47) == []
+    assert count(prometheus.fetch(servers["P"].url), "decode_prefix_tokens") >= held + 6 * 320
+    sabotage.set("window_to_caching_decode")
+    try:
+        differ = _shared_starts(fleet, seed=48)
+    finally:
+        sabotage.set()
+    assert len(differ) >= 4, f"only second prompts {differ} of 6 answered otherwise"
+    assert _shared_starts(fleet, seed=49, n=2) == []  # and whole again

@@ -361,3 +361,81 @@ def test_a_room_whose_cached_prefix_leaves_before_its_forward_is_pushed_in_order
     assert plan.plan(batch, req_to_token) == []
     rest, index_slice = plan.hand_off(room, np.arange(4, 7), slice(4, 7))
     assert rest.tolist() == [4, 5, 6] and index_slice == slice(4, 7) and not plan.pushed_last(room)
+
+
+def _windows(layer_windows, num_layers, counted=None):
+    from torch_kvops.integrations.sglang.windows import SlidingWindows
+
+    return SlidingWindows.of_layers(layer_windows, 0, num_layers, 2 * num_layers, 16,
+                                    (counted if counted is not None else []).append)
+
+
+def test_a_sliding_layer_moves_the_pages_of_its_window_and_a_full_layer_all():
+    """4 layers alternating a window of 63 (SGLang's ``sliding_window_size`` for a
+    64-token window) and full attention, pages of 16, a destination of 50 pages (785 to
+    800 tokens): the window starts no earlier than page 50 - 1 - 4 = 45, so a sliding
+    layer's K and V buffers (0, 2, 4, 6) move pages 45-49 only; nothing is dropped from a
+    request, since the full layers move every page."""
+    counted = []
+    windows = _windows({0: 63, 1: -1, 2: 63, 3: -1}, 4, counted)
+    assert windows.windows == {0: 63, 2: 63, 4: 63, 6: 63}
+    assert windows.cut(50, 0, 16) == (0, {0: 16, 2: 16, 4: 16, 6: 16})
+    assert windows.cut(50, 40, 10) == (0, {0: 5, 2: 5, 4: 5, 6: 5})
+    assert windows.cut(50, 45, 5) == (0, {})
+    assert windows.cut(3, 0, 3) == (0, {})  # a prompt shorter than the window
+    assert sum(counted) == 4 * 16 + 4 * 5
+    assert _windows({0: -1, 1: -1}, 2) is None  # no sliding layer
+
+
+def test_pages_no_layer_moves_are_dropped_from_the_request():
+    """Every layer sliding (Mistral-like): a chunk before the window moves nothing and
+    names no page; one across its start names the window's pages only."""
+    windows = _windows({0: 63, 1: 63}, 2)
+    assert windows.cut(50, 0, 16) == (16, {})
+    assert windows.cut(50, 40, 10) == (5, {})
+    dest = Destination("peer", "tcp://d", np.arange(500, 550), 0, "d1", windowed=True)
+    before = dest.request(7, list(range(16)), slice(0, 16), False, windows)
+    assert list(before.src_blocks) == [] and list(before.dst_blocks) == [] and not before.layer_first_block
+    across = dest.request(7, list(range(40, 50)), slice(40, 50), True, windows)
+    assert list(across.src_blocks) == list(range(45, 50)) and list(across.dst_blocks) == list(range(545, 550))
+
+
+def test_windows_apply_by_page_to_a_decode_rank_that_caches_no_prompts_only():
+    """A decode rank with SGLang's radix cache reads a finished prompt's pages again
+    (a later prompt sharing its start): every page of every layer goes to it. The
+    registration says which; a rank that does not say is taken to cache prompts."""
+    windows = _windows({0: 63, 1: -1}, 2)
+    pages = np.arange(500, 550)
+    plain = destination(None, None, "peer", "tcp://d", pages, 0, "d1", caches_prompts=False)
+    caching = destination(None, None, "peer", "tcp://d", pages, 0, "d1")
+    req = plain.request(7, list(range(40, 50)), slice(40, 50), True, windows)
+    assert dict(req.layer_first_block) == {0: 5, 2: 5} and list(req.dst_blocks) == list(range(540, 550))
+    assert req.first_block(0) == 5 and req.first_block(1) == 0
+    assert caching.request(7, list(range(40, 50)), slice(40, 50), True, windows).layer_first_block is None
+    assert plain.request(7, list(range(40, 50)), slice(40, 50), True, None).layer_first_block is None
+
+
+def test_the_forward_plans_each_chunk_with_its_windows():
+    """The layer-wise plan of an 800-token prompt in chunks of 256, pages of 16, to a
+    destination of 50 pages: sliding buffers skip the pages before page 45 in every
+    chunk, and SGLang's send() after each forward still finds nothing left."""
+    from torch_kvops.integrations.sglang.layerwise import LayerwisePrefill
+
+    page, prompt, room = 16, 800, 3
+    dest = Destination("peer", "tcp://d", np.arange(500, 550), 0, "d1", windowed=True)
+    manager = NS(ready_destinations=lambda r: [dest], counts=NS(add=lambda *a: None))
+    plan = LayerwisePrefill(manager, page, num_buffers=4)
+    plan.windows = _windows({0: 63, 1: -1}, 2)
+    plan.track("rid", room, prompt)
+    req_to_token = torch.arange(1024).reshape(1, 1024)
+    moved = {buffer: [] for buffer in range(4)}
+    for start in range(0, prompt, 256):
+        batch = NS(rids=["rid"], req_pool_indices=torch.tensor([0]), extend_prefix_lens_cpu=[start],
+                   extend_seq_lens_cpu=[min(256, prompt - start)])
+        for req in plan.plan(batch, req_to_token):
+            for buffer in range(4):
+                moved[buffer] += list(req.dst_blocks)[req.first_block(buffer):]
+    assert moved[1] == moved[3] == list(range(500, 550))
+    assert moved[0] == moved[2] == list(range(545, 550))
+    pages = req_to_token[0, 0:prompt:page].numpy() // page
+    assert plan.hand_off(room, pages, slice(0, len(pages)))[0].size == 0 and plan.pushed_last(room)

@@ -261,8 +261,8 @@ class PeerStep:
         self.landed[layer] = time.perf_counter()
         if peer.digester is not None:  # integrity check: digested on the digest worker
             firsts = dict(zip((req.req_id for req, _, _ in self._entries), self._firsts(layer)))
-            self._digests.submit(peer, layer, {req.req_id: s[firsts[req.req_id]:] for req, s, _ in self._entries},
-                                 {r: f for r, f in firsts.items() if f})
+            moved = {req.req_id: blocks[firsts[req.req_id]:] for req, blocks, _ in self._entries}
+            self._digests.submit(peer, layer, moved, {r: f for r, f in firsts.items() if f})
         self._digests.send_ready(peer, self._step.failed_peers)  # earlier layers', if done
 
     def _conclude(self) -> None:

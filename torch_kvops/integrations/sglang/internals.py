@@ -1,7 +1,7 @@
 """Every SGLang name the ``kvops`` backend relies on, in one place, read from SGLang
 0.5.23 (``disaggregation/base/conn.py``, ``common/conn.py``, ``common/utils.py``,
 ``utils.py``, ``arg_groups/choices.py``, ``plugins/hook_registry.py``,
-``configs/model_config.py``).
+``configs/model_config.py``, ``layers/radix_attention.py``, ``server_args.py``).
 
 :func:`check` compares the installed SGLang with what was read: the version, and the
 signatures of the methods the backend overrides or calls. It runs when the plugin
@@ -56,7 +56,8 @@ __all__ = ["ABORT_TAG", "AbortNotification", "CommonKVBootstrapServer", "CommonK
            "DisaggregationMode", "HookRegistry", "HookType", "KVArgs", "KVClassType", "KVPoll",
            "TransferBackend", "add_disagg_transfer_backend_choices", "check", "READ_FROM",
            "BOOTSTRAP_QUEUE_ADD", "MODEL_FORWARD", "KV_WRITES", "PREFILL_MANAGER_ATTRIBUTES",
-           "DECODE_MANAGER_ATTRIBUTES", "RECEIVER_ATTRIBUTES", "check_attributes", "total_kv_heads"]
+           "DECODE_MANAGER_ATTRIBUTES", "RECEIVER_ATTRIBUTES", "check_attributes", "total_kv_heads",
+           "sliding_windows", "decode_caches_prompts"]
 
 # method -> the parameters (in order, after self) the backend passes or receives
 SIGNATURES: Dict[str, List[str]] = {
@@ -92,7 +93,7 @@ SIGNATURES: Dict[str, List[str]] = {
 }
 # attributes of a CommonKVManager instance the backend reads: in both roles, and in one
 MANAGER_ATTRIBUTES = ("kv_args", "local_ip", "rank_port", "server_socket", "request_status",
-                      "attn_tp_size", "attn_tp_rank", "is_mla_backend")
+                      "attn_tp_size", "attn_tp_rank", "is_mla_backend", "server_args")
 PREFILL_MANAGER_ATTRIBUTES = MANAGER_ATTRIBUTES + ("transfer_infos", "req_to_decode_prefix_len")
 DECODE_MANAGER_ATTRIBUTES = MANAGER_ATTRIBUTES + ("connection_lock", "addr_to_rooms_tracker",
                                                   "connection_pool", "prefill_info_table")
@@ -108,6 +109,32 @@ def total_kv_heads(server_args) -> int:
     """The model's KV heads over all attention TP ranks (a decode manager's ``KVArgs``
     lacks them: SGLang sets them there only for its staging buffers, after the manager)."""
     return ModelConfig.from_server_args(server_args).get_total_num_kv_heads()
+
+
+def sliding_windows(model) -> Dict[int, int]:
+    """Per attention layer of ``model`` (SGLang's ``RadixAttention``, by its global
+    ``layer_id``), its ``sliding_window_size`` (-1: full attention)."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    found = {}
+    for module in model.modules():
+        if isinstance(module, RadixAttention):
+            window = getattr(module, "sliding_window_size", None)
+            layer_id = getattr(module, "layer_id", None)
+            if type(window) is not int or type(layer_id) is not int:
+                raise RuntimeError("the kvops SGLang backend does not match this SGLang: its "
+                                   "RadixAttention has no int layer_id and sliding_window_size")
+            found[layer_id] = window
+    return found
+
+
+def decode_caches_prompts(server_args) -> bool:
+    """Whether a decode server keeps finished requests' KV for later prompts (its
+    radix cache): it reads their pages again, so every layer's pages are pushed."""
+    return bool(getattr(server_args, DECODE_RADIX_CACHE))
+
+
+DECODE_RADIX_CACHE = "disaggregation_decode_enable_radix_cache"  # a ServerArgs field
 
 
 def check() -> None:
@@ -153,6 +180,14 @@ def check() -> None:
     if not callable(getattr(ModelConfig, "get_total_num_kv_heads", None)) \
             or "server_args" not in inspect.signature(ModelConfig.from_server_args).parameters:
         problems.append("ModelConfig.from_server_args(server_args).get_total_num_kv_heads() is gone")
+    from sglang.srt.server_args import ServerArgs
+
+    if not hasattr(ServerArgs, DECODE_RADIX_CACHE):
+        problems.append(f"ServerArgs.{DECODE_RADIX_CACHE} is gone")
+    try:
+        pkgutil.resolve_name("sglang.srt.layers.radix_attention.RadixAttention")
+    except (ImportError, AttributeError) as exc:
+        problems.append(f"sglang.srt.layers.radix_attention.RadixAttention is gone ({exc})")
     if not isinstance(DISAGG_TRANSFER_BACKEND_CHOICES, list):
         problems.append("DISAGG_TRANSFER_BACKEND_CHOICES is no longer a list")
     if problems:

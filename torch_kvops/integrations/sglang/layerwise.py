@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
 import numpy as np
 
 from ...plan import TransferRequest
+from .windows import SlidingWindows
 
 if TYPE_CHECKING:
     from .manager import KvopsKVManager
@@ -58,15 +59,18 @@ class LayerwisePrefill:
     """The prefill manager's layer-wise part (one per scheduler process)."""
 
     def __init__(self, manager: "KvopsKVManager", page_size: int, num_buffers: int,
-                 latent: bool = False) -> None:
+                 latent: bool = False, windows: bool = True) -> None:
         """``num_buffers``: SGLang's KV buffers, every layer's K then every layer's V,
-        or with ``latent`` (MLA) one buffer per layer."""
+        or with ``latent`` (MLA) one buffer per layer. ``windows``: push a sliding
+        layer's pages of its window only (windows.py)."""
         self.manager, self.page_size, self.num_buffers = manager, page_size, num_buffers
         self.num_layers = num_buffers if latent else num_buffers // 2
         self._rooms: Dict[str, _Room] = {}  # by SGLang request id
         self._by_room: Dict[int, _Room] = {}  # the same, by room
         self._lock = threading.Lock()
         self._saved: Optional[Set[int]] = None  # layers saved in the running forward's step
+        self.windows: Optional[SlidingWindows] = None  # read from the model at its first forward
+        self._windows_read = not windows
         self._last_forward_end: Optional[float] = None  # of the last forward that pushed
 
     def install(self) -> None:
@@ -146,7 +150,8 @@ class LayerwisePrefill:
                 continue
             src = (req_to_token[row, start:end:p] // p).tolist()
             first, stop = (start - skipped) // p, -(-(end - skipped) // p)
-            requests += [dest.request(tracked.room, src, slice(first, stop), last) for dest in destinations]
+            requests += [dest.request(tracked.room, src, slice(first, stop), last, self.windows)
+                         for dest in destinations]
             with self._lock:
                 tracked.pushed_tokens = end
                 tracked.pushed_pages = stop
@@ -158,6 +163,14 @@ class LayerwisePrefill:
         """Around ``ModelRunner.forward``: one connector step for the batch's chunks."""
         if not forward_batch.forward_mode.is_extend():
             return original(runner, forward_batch, *args, **kwargs)
+        if not self._windows_read:  # SGLang's warm-up forward comes before any room
+            from . import internals as sgl  # (this module imports without SGLang: its units)
+
+            self._windows_read = True
+            self.windows = SlidingWindows.of_layers(
+                sgl.sliding_windows(runner.model), getattr(runner.token_to_kv_pool, "start_layer", 0),
+                self.num_layers, self.num_buffers, self.page_size,
+                lambda pages: self.manager.counts.add("kvops_sglang_window_pages_skipped", pages))
         try:
             requests = self.plan(forward_batch, runner.req_to_token_pool.req_to_token)
         except (KeyError, IndexError, ValueError, AttributeError):

@@ -51,7 +51,7 @@ from .push_queue import METADATA_ROW, PushQueue
 from .settings import KvopsSglangSettings
 from .signing import MessageSigner
 from .support import check_supported
-from .transfers import Destination, destination, room_of, room_parts
+from .transfers import Destination, destination, pushed_bytes, room_of, room_parts
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,8 @@ class KvopsKVManager(sgl.CommonKVManager):
         self.pushes = PushQueue(self)
         self.layerwise = self.rooms = None
         if self.prefill:
-            self.layerwise = LayerwisePrefill(self, args.page_size, len(self.caches), is_mla_backend)
+            self.layerwise = LayerwisePrefill(self, args.page_size, len(self.caches), is_mla_backend,
+                                              self.settings.sliding_layers == "window")
             self.layerwise.install()
         else:
             self.rooms = DecodeRooms(args, self._decode_success, self.fail)
@@ -118,7 +119,8 @@ class KvopsKVManager(sgl.CommonKVManager):
     # ------------------------------------------------------------- decode -> prefill
 
     def build_receiver_registration_message(self) -> List[bytes]:
-        info = dict(self.conn.peer_info(), sglang_heads=None if self.heads is None else
+        info = dict(self.conn.peer_info(), sglang_caches_prompts=sgl.decode_caches_prompts(self.server_args),
+                    sglang_heads=None if self.heads is None else
                     {"total": self.heads.total, "tp_size": self.heads.tp_size, "rank": self.heads.rank})
         return self.signer.sign([REGISTRATION, self.local_ip.encode(), str(self.rank_port).encode(),
                                  info["engine_id"].encode(), json.dumps(info).encode()])
@@ -197,7 +199,8 @@ class KvopsKVManager(sgl.CommonKVManager):
             try:
                 theirs = self.decode_peers.registration(session) or {}
                 infos[session] = destination(self.heads, theirs.get("sglang_heads"), peer, endpoint,
-                                             np.frombuffer(msg[4], dtype=np.int32), int(msg[5]), session)
+                                             np.frombuffer(msg[4], dtype=np.int32), int(msg[5]), session,
+                                             theirs.get("sglang_caches_prompts") is not False)
             except ValueError as exc:
                 self.fail(room, str(exc))
                 return
@@ -242,6 +245,7 @@ class KvopsKVManager(sgl.CommonKVManager):
             if self.decode_peers is not None:
                 self.decode_peers.release_dead()  # between two steps
             self.conn.start_step(requests, partial=True)
+            self.counts.add("kvops_sglang_pushed_bytes", pushed_bytes(requests, self.caches))
             return True
         except (ValueError, RuntimeError, TimeoutError) as exc:
             for room in {room_of(r.req_id) for r in requests}:

@@ -17,6 +17,10 @@ HELP = {
     "kvops_sglang_rooms": "Rooms ended, by role and outcome",
     "kvops_sglang_decode_prefix_tokens": "Prefill, per rank: prompt tokens not sent because "
                                          "the decode side held them (its radix cache)",
+    "kvops_sglang_pushed_bytes": "Prefill: KV bytes handed to the connector to push (a room "
+                                 "that fails moves fewer)",
+    "kvops_sglang_window_pages_skipped": "Prefill: pages of sliding-window layers' KV buffers "
+                                         "not pushed, before the layer's window (windows.py)",
     "kvops_sglang_lease_renewals": "Decode: leases renewed because the prefill server said "
                                    "it still owes the room",
     "kvops_sglang_refused_messages": "The backend's ZMQ messages refused: not signed with the "

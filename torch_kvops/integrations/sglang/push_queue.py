@@ -78,7 +78,8 @@ class PushQueue:
                     # (MLA, fewer decode ranks), so this rank has nothing to move
                     m.prefill_part_done(room, "kv")
             if len(pages) or (last and not last_pushed):  # an empty last chunk still ends it
-                requests += [dest.request(room, pages.tolist(), index_slice, last) for dest in destinations]
+                requests += [dest.request(room, pages.tolist(), index_slice, last, m.layerwise.windows)
+                             for dest in destinations]
             rooms.add(room)
         if not requests:
             return

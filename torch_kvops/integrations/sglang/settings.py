@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 
 CONFIG_ENV = "KVOPS_SGLANG_CONFIG"
 MHA_UNITS = ("page", "head")
+SLIDING_LAYERS = ("window", "all")
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,9 @@ class KvopsSglangSettings:
     ``"head"`` (one KV head of one token: any sizes that split the KV heads, at a cost
     per token: the destination lists and integrity digests grow by page size x local
     heads; heads.py). Every server of a fleet sets the same ``mha_unit`` (the
-    connector's layout check refuses a link between the two)."""
+    connector's layout check refuses a link between the two). ``sliding_layers``: a
+    prefill server pushes a sliding-window layer's pages of its ``"window"`` only
+    (windows.py), or ``"all"`` of them."""
 
     protocol: str = "tcp"
     device_name: str = ""
@@ -43,6 +46,7 @@ class KvopsSglangSettings:
     fleet_key_file: str = ""
     allow_insecure: bool = False
     mha_unit: str = "page"
+    sliding_layers: str = "window"
 
     @staticmethod
     def from_env() -> "KvopsSglangSettings":
@@ -63,6 +67,9 @@ class KvopsSglangSettings:
                              "a path")
         if settings.mha_unit not in MHA_UNITS:
             raise ValueError(f"${CONFIG_ENV} mha_unit {settings.mha_unit!r} is not one of {MHA_UNITS}")
+        if settings.sliding_layers not in SLIDING_LAYERS:
+            raise ValueError(f"${CONFIG_ENV} sliding_layers {settings.sliding_layers!r} is not one of "
+                             f"{SLIDING_LAYERS}")
         if settings.protocol not in ("tcp", "rdma"):
             raise ValueError(f"${CONFIG_ENV} protocol {settings.protocol!r} is not 'tcp' or 'rdma'")
         config = settings.connector_config()  # unknown or bad connector fields fail at start-up

@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+import torch
 
 from ...heads import PartPlan
 from ...plan import TransferRequest
 from .heads import RankHeads, page_tokens
+from .windows import SlidingWindows
 
 
 def transfer_id(room: int, decode_session: str) -> str:
@@ -35,41 +37,60 @@ class Destination:
     session: str  # that rank's connector engine id
     heads: Optional[RankHeads] = None  # MHA by head: this prefill rank's heads (else by page)
     part: Optional[PartPlan] = None  # MHA by head: the heads it sends that decode rank
+    windowed: bool = False  # by page, to a rank that caches no prompts: sliding layers' windows only
 
     def transfer(self, room: int) -> str:
         if self.part is None:
             return transfer_id(room, self.session)
         return self.heads.part(room, self.session, self.part.decode_rank)
 
-    def request(self, room: int, src_pages: Sequence[int], dst: slice, last: bool) -> TransferRequest:
+    def request(self, room: int, src_pages: Sequence[int], dst: slice, last: bool,
+                windows: Optional[SlidingWindows] = None) -> TransferRequest:
         """The transfer of ``src_pages`` into this destination's pages ``dst``: whole
-        pages (MLA, or MHA by page), or the part's heads of each of their tokens (MHA by
-        head)."""
+        pages (MLA, or MHA by page; of a sliding layer, those of its window only where
+        ``windowed``), or the part's heads of each of their tokens (MHA by head)."""
         dst_pages = self.pages[dst]
         if self.part is None:
-            return TransferRequest(self.transfer(room), self.peer, list(src_pages), dst_pages.tolist(),
-                                   last_chunk=last)
+            src, firsts = list(src_pages), None
+            if windows is not None and self.windowed and len(dst_pages):
+                dropped, firsts = windows.cut(len(self.pages), dst.indices(len(self.pages))[0],
+                                              len(dst_pages))
+                src, dst_pages = src[dropped:], dst_pages[dropped:]
+            return TransferRequest(self.transfer(room), self.peer, src, dst_pages.tolist(),
+                                   last_chunk=last, layer_first_block=firsts or None)
         size = self.heads.page_size
         src, dst_units = self.part.units(page_tokens(src_pages, size), page_tokens(dst_pages, size))
         return TransferRequest(self.transfer(room), self.peer, src, dst_units, last_chunk=last)
 
 
 def destination(heads: Optional[RankHeads], theirs: Optional[dict], peer: str, endpoint: str,
-                pages: np.ndarray, aux_index: int, session: str) -> Optional[Destination]:
+                pages: np.ndarray, aux_index: int, session: str,
+                caches_prompts: bool = True) -> Optional[Destination]:
     """Prefill: a decode rank's destination of a room. ``heads``: this rank's (None:
     moved by page); ``theirs``: the heads the decode rank registered with (None: by
-    page). None where a replica on a lower prefill rank sends that rank's heads
-    (replicated KV heads)."""
+    page); ``caches_prompts``: whether it registered with a radix cache (its pages are
+    read again: every page of every layer is pushed). None where a replica on a lower
+    prefill rank sends that rank's heads (replicated KV heads)."""
     if (heads is None) != (theirs is None):
         mine, other = ("page", "head") if heads is None else ("head", "page")
         raise ValueError(f"decode rank {session} moves MHA KV by {other}, this prefill server by {mine}: "
                          "set the same mha_unit on every server of the fleet")
     if heads is None:
-        return Destination(peer, endpoint, pages, aux_index, session)
+        return Destination(peer, endpoint, pages, aux_index, session, windowed=not caches_prompts)
     if not isinstance(theirs, dict) or theirs.get("total") != heads.total:
         raise ValueError(f"decode rank {session} holds KV heads {theirs}; this model has {heads.total}")
     part = heads.plan_to(int(theirs["tp_size"]), int(theirs["rank"]))
     return None if part is None else Destination(peer, endpoint, pages, aux_index, session, heads, part)
+
+
+def pushed_bytes(requests: Sequence[TransferRequest], caches: Sequence[torch.Tensor]) -> int:
+    """The bytes ``requests`` move: of each KV buffer (``caches``: ``[units, unit
+    bytes]``, a unit a page, or with MHA by head a head of a token), the units from
+    the layer's first on."""
+    unit_bytes = [cache.size(1) for cache in caches]
+    total = sum(len(r.src_blocks) for r in requests) * sum(unit_bytes)
+    return total - sum(first * unit_bytes[buffer] for r in requests if r.layer_first_block
+                       for buffer, first in r.layer_first_block.items())
 
 
 def room_parts(heads: Optional[RankHeads], room: int, session: str, pages: Sequence[int],
