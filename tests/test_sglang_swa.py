@@ -123,7 +123,8 @@ def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_each_laye
     assert layers > 0 and early >= layers * LANDED_IN_FORWARD, (early, layers)
     # the sliding layers' pages before their window stayed on P (windows.py)
     skipped = count(p, "window_pages_skipped")
-    print(f"[sglang swa] {skipped:.0f} pages of sliding layers' K and V buffers not pushed")
+    print(f"[sglang swa] {skipped:.0f} pages of sliding layers' K and V buffers not pushed, "
+          f"{count(p, 'pushed_bytes'):.0f} bytes pushed")
     assert skipped > 0
     pages_come_back(servers, ["P", "D"])
 
