@@ -30,6 +30,7 @@ import pytest
 
 from torch_kvops.serving import prometheus
 from torch_kvops.serving.model import random_prompt
+from torch_kvops.testing.swa_model import swa_model_config
 from torch_kvops.serving.servers import ServerError, Servers
 from torch_kvops.serving.sglang import SglangRouterSpec, SglangServerSpec, sglang_python
 
@@ -122,10 +123,13 @@ def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_each_laye
     print(f"\n[sglang swa] {early:.0f} of {layers:.0f} pushed layers landed before their forward ended")
     assert layers > 0 and early >= layers * LANDED_IN_FORWARD, (early, layers)
     # the sliding layers' pages before their window stayed on P (windows.py)
-    skipped = count(p, "window_pages_skipped")
-    print(f"[sglang swa] {skipped:.0f} pages of sliding layers' K and V buffers not pushed, "
-          f"{count(p, 'pushed_bytes'):.0f} bytes pushed")
-    assert skipped > 0
+    config = swa_model_config()
+    page_bytes = PAGE_SIZE * config["num_key_value_heads"] * config["head_dim"] * 4  # float32
+    left, pushed = count(p, "window_pages_skipped") * page_bytes, count(p, "pushed_bytes")
+    print(f"[sglang swa] {left:.0f} bytes of sliding layers' pages before their windows left on P, "
+          f"{pushed:.0f} pushed: {left / (left + pushed):.1%} fewer")
+    # half the layers slide; prompts of 50-800 tokens, windows of 64: about 40% fewer
+    assert left >= 0.3 * (left + pushed), (left, pushed)
     pages_come_back(servers, ["P", "D"])
 
 
