@@ -9,6 +9,7 @@ catches it). A producer that digests with a key other than the consumer's (a wri
 who knows the bytes but not the key) is refused in "mac" mode and passes in
 "checksum" mode, which is documented as no protection against tampering.
 """
+import contextlib
 import threading
 
 import numpy as np
@@ -53,9 +54,11 @@ def push_two_chunks(conn, caches, peer):
         conn.wait_for_save(timeout=30)
 
 
-def run(path: str, how, consumer_check, producer_check):
-    """Push request "r" in two chunks; returns (finished, failed, consumer stats, whether
-    each block landed right)."""
+@contextlib.contextmanager
+def linked(path: str, how, consumer_check, producer_check):
+    """A producer connector in this process linked to a consumer process, "r" expected
+    there, ``how`` (if any) sabotaging this process's writes: (producer, its caches,
+    the consumer's peer id, the consumer)."""
     consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, integrity_check=consumer_check,
                                **FAST, **PATHS[path])
     transport = MooncakeTransport(host="127.0.0.1")
@@ -68,15 +71,22 @@ def run(path: str, how, consumer_check, producer_check):
             consumer.call("expect", ["r"])
             if how:
                 sabotage(transport, how)
-            push_two_chunks(conn, caches, peer)
-            finished, failed, _ = consumer.call("wait", ["r"], 15.0)
-            received = consumer.call("caches")
-            right = [all(np.array_equal(received[layer][d], caches[layer][s].numpy())
-                         for layer in range(LAYERS)) for s, d in zip(SRC, DST)]
-            return finished, failed, consumer.call("stats"), right
+            yield conn, caches, peer, consumer
     finally:
         consumer.stop()
         transport.close()
+
+
+def run(path: str, how, consumer_check, producer_check):
+    """Push request "r" in two chunks; returns (finished, failed, consumer stats, whether
+    each block landed right)."""
+    with linked(path, how, consumer_check, producer_check) as (conn, caches, peer, consumer):
+        push_two_chunks(conn, caches, peer)
+        finished, failed, _ = consumer.call("wait", ["r"], 15.0)
+        received = consumer.call("caches")
+        right = [all(np.array_equal(received[layer][d], caches[layer][s].numpy())
+                     for layer in range(LAYERS)) for s, d in zip(SRC, DST)]
+        return finished, failed, consumer.call("stats"), right
 
 
 @pytest.mark.parametrize("mode", MODES)

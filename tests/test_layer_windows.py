@@ -12,16 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
+from torch_kvops import TransferRequest
 from torch_kvops.plan import KVLayout, validate_step
-from torch_kvops.testing.consumer_process import ConsumerProcess
 
-from test_integrity import BLOCK_BYTES, sabotage
-
-LAYERS, BLOCKS, BLOCK_SHAPE = 3, 64, (2, 8, 16)  # 1 KiB blocks
-FAST = dict(transfer_timeout_s=3.0, max_retries=0, retry_backoff_s=0.02, lease_s=10.0,
-            control_timeout_s=2.0, quarantine_s=0.05)
-PATHS = {"staged": {}, "direct": {"staging_threshold_bytes": 0}}
+from test_integrity import BLOCK_BYTES, BLOCK_SHAPE, BLOCKS, LAYERS, PATHS, linked
 # two chunks of request "r"; per chunk, layer -> the first block it moves
 CHUNKS = [([0, 1, 2, 3], [10, 11, 12, 13], {0: 3, 2: 4}, False),
           ([7, 30, 31], [20, 40, 41], {0: 1}, True)]
@@ -41,31 +35,18 @@ def push(conn, caches, peer) -> None:
 def run(path: str, check: str, how=None):
     """Push "r"; returns (finished, failed, consumer stats, producer's bytes sent,
     per (layer, block): "moved" (equal to the source), "kept" (still -7) or "wrong")."""
-    consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, integrity_check=check, **FAST, **PATHS[path])
-    transport = MooncakeTransport(host="127.0.0.1")
-    try:
-        caches = [torch.zeros(BLOCKS, *BLOCK_SHAPE) for _ in range(LAYERS)]
-        config = ConnectorConfig(integrity_check=check, **FAST, **PATHS[path])
-        with LayerwiseConnector("producer", transport, config) as conn:
-            conn.register_kv_caches(caches)
-            peer = conn.add_peer(consumer.info)
-            consumer.call("expect", ["r"])
-            if how:
-                sabotage(transport, how)
-            push(conn, caches, peer)
-            finished, failed, _ = consumer.call("wait", ["r"], 15.0)
-            received = consumer.call("caches")
-            states = {}
-            for src, dst, _, _ in CHUNKS:
-                for s, d in zip(src, dst):
-                    for layer in range(LAYERS):
-                        got = received[layer][d]
-                        states[layer, d] = ("moved" if np.array_equal(got, caches[layer][s].numpy())
-                                            else "kept" if (got == -7.0).all() else "wrong")
-            return finished, failed, consumer.call("stats"), conn.stats()["bytes_sent"], states
-    finally:
-        consumer.stop()
-        transport.close()
+    with linked(path, how, check, check) as (conn, caches, peer, consumer):
+        push(conn, caches, peer)
+        finished, failed, _ = consumer.call("wait", ["r"], 15.0)
+        received = consumer.call("caches")
+        states = {}
+        for src, dst, _, _ in CHUNKS:
+            for s, d in zip(src, dst):
+                for layer in range(LAYERS):
+                    got = received[layer][d]
+                    states[layer, d] = ("moved" if np.array_equal(got, caches[layer][s].numpy())
+                                        else "kept" if (got == -7.0).all() else "wrong")
+        return finished, failed, consumer.call("stats"), conn.stats()["bytes_sent"], states
 
 
 def expected_states():

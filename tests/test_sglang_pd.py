@@ -96,6 +96,22 @@ def test_a_changed_sglang_internal_fails_loudly_at_start_up():
     assert "has no local_ip, rank_port" in done.stderr, done.stderr[-2000:]
 
 
+def test_a_decode_server_reads_windows_only_without_its_radix_cache_and_with_a_windowed_backend():
+    """What a decode rank tells P when it registers (integrations/sglang/windows.py):
+    its radix cache, or an attention backend that ignores sliding windows, makes P push
+    it every page of every layer."""
+    done = _in_sglang(
+        "from types import SimpleNamespace as NS\n"
+        "from torch_kvops.integrations.sglang.internals import decode_reads_windows_only as f\n"
+        "def args(radix=False, backend='torch_native', decode=None):\n"
+        "    return NS(disaggregation_decode_enable_radix_cache=radix, attention_backend=backend,\n"
+        "              decode_attention_backend=decode)\n"
+        "print([f(args()), f(args(backend=None)), f(args(backend='fa3')), f(args(radix=True)),\n"
+        "       f(args(backend='flex_attention')), f(args(decode='wave')), f(args(backend='wave', decode='triton'))])\n")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[True, True, True, False, False, False, True]" in done.stdout, done.stdout[-2000:]
+
+
 @pytest.fixture(scope="module")
 def fleet():
     with workspace("kvops-sglang") as (tmp, model, log_dir, sabotage):

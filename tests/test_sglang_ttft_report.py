@@ -58,3 +58,20 @@ def test_a_run_with_kvops_by_head_reports_it_beside_kvops_by_page():
     assert "| P/D kvops layer-wise s | P/D kvops by head s | bound s |" in table
     assert "| 2.30 [2.20, 2.40] | 2.50 [2.40, 2.60] | 2.10 | 1.10 | 26% | +0.80 | 1.19 | 19% | +0.60 |" in table
     assert check(saved) == ["kvops-head cycle 0: no layer landed during P's forward"]
+
+
+def test_with_sliding_layers_the_bound_counts_their_windows_only():
+    """The test Mellum, 16 layers (8 sliding, windows of 128): a 1000-token prompt's KV
+    that D reads is 8 full layers of 1000 tokens and 8 windows of 128, so the wire time
+    of the bound is (8000 + 1024) / 16000 of the whole prompt's; kvops pushing every
+    sliding page is reported beside the window-only kvops."""
+    saved = _saved()
+    saved["model"].update(model_type="mellum", sliding_window=128)
+    saved["records"] += [{"setup": "kvops-all", "cycle": 0, "tokens": 1000, "prompt": i, "ttft_s": 2.6 + i / 10,
+                          "answer": "a b"} for i in range(3)]
+    (row,) = summarize(saved)
+    whole = 1000 * 65536 * 8 / 0.5e9
+    assert row["wire_s"] == pytest.approx(whole * (8 * 1000 + 8 * 128) / (16 * 1000))
+    assert row["kv_mib"] == pytest.approx(65536 * (8 * 1000 + 8 * 128) / 16 / 2**20)
+    assert row["kvops-all_s"] == pytest.approx(2.7)
+    assert "| P/D kvops layer-wise s | P/D kvops every sliding page s | bound s |" in render([row])

@@ -400,13 +400,14 @@ def test_pages_no_layer_moves_are_dropped_from_the_request():
     assert list(across.src_blocks) == list(range(45, 50)) and list(across.dst_blocks) == list(range(545, 550))
 
 
-def test_windows_apply_by_page_to_a_decode_rank_that_caches_no_prompts_only():
+def test_windows_apply_by_page_to_a_decode_rank_that_reads_windows_only():
     """A decode rank with SGLang's radix cache reads a finished prompt's pages again
-    (a later prompt sharing its start): every page of every layer goes to it. The
-    registration says which; a rank that does not say is taken to cache prompts."""
+    (a later prompt sharing its start), one whose attention backend ignores windows
+    reads every token: every page of every layer goes to them. The registration says
+    which; to a rank that does not say, every page."""
     windows = _windows({0: 63, 1: -1}, 2)
     pages = np.arange(500, 550)
-    plain = destination(None, None, "peer", "tcp://d", pages, 0, "d1", caches_prompts=False)
+    plain = destination(None, None, "peer", "tcp://d", pages, 0, "d1", windows_only=True)
     caching = destination(None, None, "peer", "tcp://d", pages, 0, "d1")
     req = plain.request(7, list(range(40, 50)), slice(40, 50), True, windows)
     assert dict(req.layer_first_block) == {0: 5, 2: 5} and list(req.dst_blocks) == list(range(540, 550))

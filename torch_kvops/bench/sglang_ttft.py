@@ -10,15 +10,20 @@ setups, each ``python -m sglang.launch_server`` on CPU (SGLang 0.5.23 from
 ``make setup-sglang``): ``mono`` (one server), ``kvops`` and ``mooncake`` (P, D and
 sglang-router in P/D mode); with ``--setups mono,kvops,kvops-head,mooncake`` also
 ``kvops-head``, the ``kvops`` backend moving MHA KV by head (``"mha_unit": "head"``), to
-price that against whole pages. An idle SGLang scheduler polls its sockets without sleeping
+price that against whole pages. With ``--sliding-window W`` the model is the test Mellum
+(layers alternating a W-token sliding window and full attention; every server with
+``--disable-hybrid-swa-memory``), and ``kvops-all`` is the ``kvops`` backend pushing a
+sliding layer's every page (``"sliding_layers": "all"``) against its window only
+(``kvops``). An idle SGLang scheduler polls its sockets without sleeping
 (a core each), so one setup runs at a time; the setups alternate in order over
 ``--cycles`` starts each. Every request is a prompt of its own (no prefix cache hit),
 streamed; TTFT = the client's send -> the first token's chunk. Every answer is checked
 against the monolithic server's (greedy), and D's own prefill counter must stay at 0.
 
 *bound* = max(prefill, prefill / layers + wire) per prompt length, with prefill = the
-monolithic TTFT and wire = the prompt's KV bytes at the link's rate: the TTFT a push that
-hides all but the last layer's transfer reaches.
+monolithic TTFT and wire = the prompt's KV bytes at the link's rate (of a sliding layer,
+its window's: what D reads): the TTFT a push that hides all but the last layer's
+transfer reaches.
 
 SGLang's CPU engine needs two kernels of sgl_kernel that have no wheel on PyPI: the
 test-only stand-in (tests/sglang_standin, ``--standin``) is put on the servers' path.
@@ -50,10 +55,11 @@ from .serving_sweep import kv_bytes_per_token
 SETUPS = ("mono", "kvops", "mooncake")  # the default run
 # kvops-head: the kvops backend moving MHA KV by head ("mha_unit": "head"), to price it
 # against whole pages in the same run
-KNOWN_SETUPS = ("mono", "kvops", "kvops-head", "mooncake")
-LAYERWISE = ("kvops", "kvops-head")
+KNOWN_SETUPS = ("mono", "kvops", "kvops-head", "kvops-all", "mooncake")
+LAYERWISE = ("kvops", "kvops-head", "kvops-all")
 LABEL = {"mono": "TTFT monolithic s", "mooncake": "P/D mooncake s", "kvops": "P/D kvops layer-wise s",
-         "kvops-head": "P/D kvops by head s"}
+         "kvops-head": "P/D kvops by head s", "kvops-all": "P/D kvops every sliding page s"}
+ONE_POOL = ["--disable-hybrid-swa-memory"]  # a sliding-window model in SGLang's one KV pool
 CPU_MOONCAKE_PLUGIN = '''def install():
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
     MooncakeKVSender.supports_host_tensor_indices = False  # else a torch.cuda.Event on P
@@ -72,6 +78,8 @@ def parse_args(argv: Optional[List[str]]):
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--sliding-window", type=int, default=0,
+                    help="tokens; > 0: the test Mellum, even layers sliding (setup kvops-all too)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per server")
     ap.add_argument("--standin", default=os.path.join(REPO, "tests", "sglang_standin"),
                     help="directory of the test-only sgl_kernel stand-in")
@@ -85,6 +93,8 @@ def parse_args(argv: Optional[List[str]]):
     args.setups = tuple(s for s in KNOWN_SETUPS if s in named)
     if set(named) - set(KNOWN_SETUPS) or "mono" not in args.setups or "mooncake" not in args.setups:
         ap.error(f"--setups: of {KNOWN_SETUPS}, with mono and mooncake")
+    if "kvops-all" in args.setups and args.sliding_window <= 0:
+        ap.error("--setups kvops-all: with --sliding-window")
     return args
 
 
@@ -115,9 +125,10 @@ def stream_ttft(url: str, model: str, prompt: str, new_tokens: int, timeout: flo
 def add_setups(servers: Servers, model: str, args, plugin_dir: str) -> Dict[str, List]:
     env = {"PYTHONPATH": args.standin, "OMP_NUM_THREADS": str(args.threads)}
     cpu_mooncake = dict(env, PYTHONPATH=os.pathsep.join([plugin_dir, args.standin]))
-    same = dict(page_size=16, max_total_tokens=8192)
+    same = dict(page_size=16, max_total_tokens=8192, extra_args=ONE_POOL if args.sliding_window else [])
     by_head = dict(env, KVOPS_SGLANG_CONFIG=json.dumps({"mha_unit": "head"}))
-    envs = {"kvops": env, "kvops-head": by_head, "mooncake": cpu_mooncake}
+    every_page = dict(env, KVOPS_SGLANG_CONFIG=json.dumps({"sliding_layers": "all"}))
+    envs = {"kvops": env, "kvops-head": by_head, "kvops-all": every_page, "mooncake": cpu_mooncake}
     fleets = {"mono": [servers.add(SglangServerSpec("mono", model, env=env, **same))]}
     for setup in args.setups[1:]:
         backend = "mooncake" if setup == "mooncake" else "kvops"
@@ -178,7 +189,8 @@ def run_setup(name: str, fleet: List, servers: Servers, model: str, prompts: Dic
             d, "sglang:prefill_effective_tokens_total", mode="input")}
         if name in LAYERWISE:
             counters.update({k: prometheus.total(p, f"kvops_sglang_{k}_total")
-                             for k in ("layers", "layers_landed_during_forward")})
+                             for k in ("layers", "layers_landed_during_forward", "pushed_bytes",
+                                     "window_pages_skipped")})
         records.append({"setup": name, "cycle": cycle, "counters": counters})
     for server in fleet[::-1]:
         server.stop()
@@ -193,9 +205,10 @@ def summarize(saved: dict) -> List[dict]:
         ttft = {s: sorted(r["ttft_s"] for r in timed if r["setup"] == s and r["tokens"] == n)
                 for s in setups}
         med = {s: statistics.median(v) for s, v in ttft.items()}
-        wire = n * saved["model"]["kv_bytes_per_token"] * 8 / saved["link_bit_s"]
+        kv_bytes = read_kv_bytes(saved["model"], n)
+        wire = kv_bytes * 8 / saved["link_bit_s"]
         bound = max(med["mono"], med["mono"] / saved["model"]["num_hidden_layers"] + wire)
-        row = {"tokens": n, "kv_mib": n * saved["model"]["kv_bytes_per_token"] / 2**20,
+        row = {"tokens": n, "kv_mib": kv_bytes / 2**20,
                "wire_s": wire, "bound_s": bound,
                **{f"{s}_s": med[s] for s in setups},
                **{f"{s}_range": [v[0], v[-1]] for s, v in ttft.items()}}
@@ -204,6 +217,17 @@ def summarize(saved: dict) -> List[dict]:
                         f"{s}_hidden_s": med["mooncake"] - med[s]})
         rows.append(row)
     return rows
+
+
+def read_kv_bytes(model: dict, tokens: int) -> int:
+    """The KV bytes of a prompt that D reads: every token of a full layer, the last
+    ``sliding_window`` of a sliding one (the test Mellum: even layers slide)."""
+    window = model.get("sliding_window") if model.get("model_type") == "mellum" else None
+    if not window:
+        return tokens * model["kv_bytes_per_token"]
+    layers = model["num_hidden_layers"]
+    sliding = (layers + 1) // 2
+    return model["kv_bytes_per_token"] * ((layers - sliding) * tokens + sliding * min(tokens, window)) // layers
 
 
 def render(rows: List[dict]) -> str:
@@ -257,9 +281,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "link": link.text, "link_bit_s": link.rate_bit_s, "logs": logs, "records": []}
     with tempfile.TemporaryDirectory(prefix="kvops-sglang-ttft-") as tmp:
         model, plugin = os.path.join(tmp, "model"), os.path.join(tmp, "plugin")
+        window = dict(swa=True, window=args.sliding_window) if args.sliding_window > 0 else {}
         config = write_serving_model(model, layers=args.layers, hidden=args.hidden, heads=args.heads,
                                      kv_heads=args.kv_heads, vocab=args.vocab,
-                                     max_len=max(lengths) + args.new_tokens + 64)
+                                     max_len=max(lengths) + args.new_tokens + 64, **window)
         saved["model"] = dict(config, kv_bytes_per_token=kv_bytes_per_token(config))
         write_plugin(plugin)
         print(f"[sglang-ttft] {kv_bytes_per_token(config) // 1024} KiB of KV per token, link "

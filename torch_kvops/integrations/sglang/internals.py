@@ -57,7 +57,7 @@ __all__ = ["ABORT_TAG", "AbortNotification", "CommonKVBootstrapServer", "CommonK
            "TransferBackend", "add_disagg_transfer_backend_choices", "check", "READ_FROM",
            "BOOTSTRAP_QUEUE_ADD", "MODEL_FORWARD", "KV_WRITES", "PREFILL_MANAGER_ATTRIBUTES",
            "DECODE_MANAGER_ATTRIBUTES", "RECEIVER_ATTRIBUTES", "check_attributes", "total_kv_heads",
-           "sliding_windows", "decode_caches_prompts"]
+           "sliding_windows", "decode_reads_windows_only"]
 
 # method -> the parameters (in order, after self) the backend passes or receives
 SIGNATURES: Dict[str, List[str]] = {
@@ -128,13 +128,19 @@ def sliding_windows(model) -> Dict[int, int]:
     return found
 
 
-def decode_caches_prompts(server_args) -> bool:
-    """Whether a decode server keeps finished requests' KV for later prompts (its
-    radix cache): it reads their pages again, so every layer's pages are pushed."""
-    return bool(getattr(server_args, DECODE_RADIX_CACHE))
+def decode_reads_windows_only(server_args) -> bool:
+    """Whether a decode server reads a sliding layer's last window only, and never its
+    earlier pages: it keeps no finished request's KV for later prompts (its radix
+    cache: a later prompt sharing a start reads those pages), and its attention backend
+    honours the layer's ``sliding_window_size``."""
+    backend = getattr(server_args, "decode_attention_backend") or getattr(server_args, "attention_backend")
+    return not getattr(server_args, DECODE_RADIX_CACHE) and backend not in READ_EVERY_TOKEN
 
 
 DECODE_RADIX_CACHE = "disaggregation_decode_enable_radix_cache"  # a ServerArgs field
+# attention backends that ignore sliding_window_size (layers/attention/torch_flex_backend.py,
+# wave_backend.py): a sliding layer reads every token there
+READ_EVERY_TOKEN = ("flex_attention", "wave")
 
 
 def check() -> None:
@@ -182,8 +188,9 @@ def check() -> None:
         problems.append("ModelConfig.from_server_args(server_args).get_total_num_kv_heads() is gone")
     from sglang.srt.server_args import ServerArgs
 
-    if not hasattr(ServerArgs, DECODE_RADIX_CACHE):
-        problems.append(f"ServerArgs.{DECODE_RADIX_CACHE} is gone")
+    problems += [f"ServerArgs.{name} is gone" for name in
+                 (DECODE_RADIX_CACHE, "decode_attention_backend", "attention_backend")
+                 if not hasattr(ServerArgs, name)]
     try:
         pkgutil.resolve_name("sglang.srt.layers.radix_attention.RadixAttention")
     except (ImportError, AttributeError) as exc:

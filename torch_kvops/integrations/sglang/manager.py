@@ -119,7 +119,7 @@ class KvopsKVManager(sgl.CommonKVManager):
     # ------------------------------------------------------------- decode -> prefill
 
     def build_receiver_registration_message(self) -> List[bytes]:
-        info = dict(self.conn.peer_info(), sglang_caches_prompts=sgl.decode_caches_prompts(self.server_args),
+        info = dict(self.conn.peer_info(), sglang_windows_only=sgl.decode_reads_windows_only(self.server_args),
                     sglang_heads=None if self.heads is None else
                     {"total": self.heads.total, "tp_size": self.heads.tp_size, "rank": self.heads.rank})
         return self.signer.sign([REGISTRATION, self.local_ip.encode(), str(self.rank_port).encode(),
@@ -200,7 +200,7 @@ class KvopsKVManager(sgl.CommonKVManager):
                 theirs = self.decode_peers.registration(session) or {}
                 infos[session] = destination(self.heads, theirs.get("sglang_heads"), peer, endpoint,
                                              np.frombuffer(msg[4], dtype=np.int32), int(msg[5]), session,
-                                             theirs.get("sglang_caches_prompts") is not False)
+                                             theirs.get("sglang_windows_only") is True)
             except ValueError as exc:
                 self.fail(room, str(exc))
                 return

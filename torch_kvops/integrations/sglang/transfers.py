@@ -37,7 +37,7 @@ class Destination:
     session: str  # that rank's connector engine id
     heads: Optional[RankHeads] = None  # MHA by head: this prefill rank's heads (else by page)
     part: Optional[PartPlan] = None  # MHA by head: the heads it sends that decode rank
-    windowed: bool = False  # by page, to a rank that caches no prompts: sliding layers' windows only
+    windowed: bool = False  # by page, to a rank that reads windows only: sliding layers' windows only
 
     def transfer(self, room: int) -> str:
         if self.part is None:
@@ -65,18 +65,18 @@ class Destination:
 
 def destination(heads: Optional[RankHeads], theirs: Optional[dict], peer: str, endpoint: str,
                 pages: np.ndarray, aux_index: int, session: str,
-                caches_prompts: bool = True) -> Optional[Destination]:
+                windows_only: bool = False) -> Optional[Destination]:
     """Prefill: a decode rank's destination of a room. ``heads``: this rank's (None:
     moved by page); ``theirs``: the heads the decode rank registered with (None: by
-    page); ``caches_prompts``: whether it registered with a radix cache (its pages are
-    read again: every page of every layer is pushed). None where a replica on a lower
-    prefill rank sends that rank's heads (replicated KV heads)."""
+    page); ``windows_only``: whether it registered as reading a sliding layer's window
+    only (windows.py; else every page of every layer is pushed). None where a replica
+    on a lower prefill rank sends that rank's heads (replicated KV heads)."""
     if (heads is None) != (theirs is None):
         mine, other = ("page", "head") if heads is None else ("head", "page")
         raise ValueError(f"decode rank {session} moves MHA KV by {other}, this prefill server by {mine}: "
                          "set the same mha_unit on every server of the fleet")
     if heads is None:
-        return Destination(peer, endpoint, pages, aux_index, session, windowed=not caches_prompts)
+        return Destination(peer, endpoint, pages, aux_index, session, windowed=windows_only)
     if not isinstance(theirs, dict) or theirs.get("total") != heads.total:
         raise ValueError(f"decode rank {session} holds KV heads {theirs}; this model has {heads.total}")
     part = heads.plan_to(int(theirs["tp_size"]), int(theirs["rank"]))

@@ -10,10 +10,12 @@ and ``n * p`` of the prompt's tokens past D's prefix, so the window starts no ea
 than page ``n - 1 - ceil(W / p)`` of it: P pushes the layer's pages from there (up to one
 page more than needed), the full layers' pages all.
 
-Not when D caches prompts (its radix cache): a later prompt that shares this one's
-start reads its sliding layers' pages before this window. D tells P in its
-registration (``sglang_caches_prompts``); a D that does not say is taken to cache them.
-Nor with ``mha_unit: "head"`` (its units are heads of tokens, not pages).
+Only to a D that reads nothing else: not one that caches prompts (its radix cache: a
+later prompt that shares this one's start reads its sliding layers' pages before this
+window), nor one whose attention backend ignores the window (``flex_attention``,
+``wave``: they read every token). D tells P in its registration
+(``sglang_windows_only``); to a D that does not say, P pushes every page. Not with
+``mha_unit: "head"`` either (its units are heads of tokens, not pages).
 """
 from __future__ import annotations
 
