@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from types import SimpleNamespace as NS
+from typing import Dict
 
 import numpy as np
 import pytest
@@ -440,3 +441,36 @@ def test_the_forward_plans_each_chunk_with_its_windows():
     assert moved[0] == moved[2] == list(range(545, 550))
     pages = req_to_token[0, 0:prompt:page].numpy() // page
     assert plan.hand_off(room, pages, slice(0, len(pages)))[0].size == 0 and plan.pushed_last(room)
+
+
+def test_no_two_sends_to_one_endpoint_overlap_the_sockets_lookup_included():
+    """SGLang closes a socket it finds disconnected under one lock while another thread
+    sends on it under another, and libzmq aborts the process (serial_sends.py). With
+    the mixin, at most one thread is inside SGLang's send to an endpoint at a time;
+    sends to other endpoints go on (seen red without it: 4 threads inside at once)."""
+    from torch_kvops.integrations.sglang.serial_sends import SerialSends
+
+    inside: Dict[str, int] = {}
+    most: Dict[str, int] = {}
+    guard = threading.Lock()
+
+    class SGLangManager:  # stands in for CommonKVManager's method: lookup, then send
+        def _send_multipart_locked(self, endpoint, parts, is_ipv6=False):
+            with guard:
+                inside[endpoint] = inside.get(endpoint, 0) + 1
+                most[endpoint] = max(most.get(endpoint, 0), inside[endpoint])
+            time.sleep(0.01)
+            with guard:
+                inside[endpoint] -= 1
+
+    class Manager(SerialSends, SGLangManager):
+        pass
+
+    manager = Manager()
+    threads = [threading.Thread(target=lambda e=e: [manager._send_multipart_locked(e, [b"x"]) for _ in range(5)])
+               for e in ("tcp://a", "tcp://a", "tcp://a", "tcp://a", "tcp://b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most == {"tcp://a": 1, "tcp://b": 1}

@@ -48,6 +48,7 @@ from .owed_notices import STILL_OWED, renew_owed_rooms, tell_owed_rooms
 from .pages import page_views
 from .prefill_restarts import cached_endpoints, prefill_restarted
 from .push_queue import METADATA_ROW, PushQueue
+from .serial_sends import SerialSends
 from .settings import KvopsSglangSettings
 from .signing import MessageSigner
 from .support import check_supported
@@ -61,7 +62,7 @@ MIRRORED = {"integrity_failures": "kvops_sglang_integrity_failures",
             "begin_blocks_refused": "kvops_sglang_misaddressed_rooms"}
 
 
-class KvopsKVManager(sgl.CommonKVManager):
+class KvopsKVManager(SerialSends, sgl.CommonKVManager):
     """See the module docstring."""
 
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend: bool = False) -> None:
