@@ -6,17 +6,21 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
+
+from dataclasses import dataclass
 
 import pytest
 
 from torch_kvops.serving import prometheus
 from torch_kvops.serving.load import LoadClient, LoadError
 from torch_kvops.serving.model import random_prompt, vocabulary, write_serving_model
-from torch_kvops.serving.fronts import ProxySpec
+from torch_kvops.serving import servers as servers_module
+from torch_kvops.serving.fronts import ProxySpec, _Launched
 from torch_kvops.serving.ports import free_port, listens_on
 from torch_kvops.serving.servers import REAPER, ServerError, Servers, ServerSpec, merged
 from torch_kvops.serving.upstreams import Instance, Pool, parse_instances
@@ -136,10 +140,64 @@ def test_ports_are_never_handed_out_twice_and_a_server_is_ready_only_on_its_own_
         assert listens_on(first.processes(), first.spec.port)
         assert not listens_on({os.getpid()}, first.spec.port)  # the check can say no
         second = servers.add(ProxySpec("second", [p], [d], port=first.spec.port))
-        with pytest.raises(ServerError, match="exited"):
+        with pytest.raises(ServerError, match=f"port {first.spec.port} is held by another process"):
             servers.start(["second"], timeout=120)
         assert "address already in use" in second.log_tail()
         assert first.healthy()
+
+
+# A server like SGLang's: its HTTP server (uvicorn) fails at bind, logs it, and the
+# process stays up (here a non-daemon thread holds it, as SGLang's own threads did).
+STAYS_UP = textwrap.dedent("""
+    import sys, threading, time, uvicorn
+    threading.Thread(target=time.sleep, args=(300,)).start()
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="info")
+""")
+
+
+@dataclass
+class StaysUpSpec(_Launched):
+    name: str
+
+    def command(self) -> list:
+        return [sys.executable, "-c", STAYS_UP, str(self.port)]
+
+
+@pytest.mark.parametrize("kind", ["exits", "stays_up"])
+def test_a_server_whose_picked_port_another_process_took_starts_again_on_a_fresh_one(
+        tmp_path, monkeypatch, kind):
+    """Seen in a CI run: a port the harness picked was bound by another process before
+    SGLang's P bound it; P logged "address already in use", stayed up, and its fixture
+    waited out 600 s. A server on picked ports now starts again on fresh ones; a server
+    on given ports fails at once, with its log."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    handed = iter([taken])
+    monkeypatch.setattr(servers_module, "free_port", lambda host: next(handed, None) or free_port(host))
+    with holder, Servers(str(tmp_path)) as servers:
+        upstreams = ([servers.add(ServerSpec("P", "/m", role="prefill", port=free_port(),
+                                             side_channel_port=free_port()))],
+                     [servers.add(ServerSpec("D", "/m", role="decode", port=free_port()))])
+        spec = ProxySpec("moved", *upstreams) if kind == "exits" else StaysUpSpec("moved")
+        moved = servers.add(spec)
+        started = time.monotonic()
+        servers.start(["moved"], timeout=60)
+        assert time.monotonic() - started < 30
+        assert moved.starts == 2 and moved.spec.port != taken
+        assert listens_on(moved.processes(), moved.spec.port)
+        assert "already in use" in open(moved.log_path).read()
+        given = ProxySpec("given", *upstreams, port=taken) if kind == "exits" else StaysUpSpec("given", port=taken)
+        servers.add(given)
+        with pytest.raises(ServerError, match=f"port {taken} is held by another process"):
+            servers.start(["given"], timeout=60)
+        assert time.monotonic() - started < 60
 
 
 # A process tree like a server's: a parent and a grandchild that outlives it by default.

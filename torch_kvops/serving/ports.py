@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import socket
 import threading
-from typing import Set
+from typing import Iterable, Optional, Set
 
 _FIRST = 20000  # below: well-known and registered services, ports engines pick (vLLM kv_port 14579)
 
@@ -88,3 +89,23 @@ def listens_on(pids: Set[int], port: int) -> bool:
             except OSError:
                 continue  # the fd closed while we looked
     return False
+
+
+def taken_in_log(log_path: str, offset: int, ports: Iterable[int]) -> Optional[int]:
+    """The first of ``ports`` that a server's log, from byte ``offset`` on, says another
+    process holds ("address already in use" with that port on the line). A server may
+    log that and stay up without its HTTP server (seen: SGLang's prefill server, while
+    the harness waited out its 600 s), so readiness reads the log as well as /health."""
+    wanted = {int(p) for p in ports if p}
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return None
+    for line in text.splitlines():
+        if "already in use" in line.lower():
+            for number in re.findall(r"\d+", line):
+                if int(number) in wanted:
+                    return int(number)
+    return None

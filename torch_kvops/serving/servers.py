@@ -23,7 +23,6 @@ spreading whole requests over monolithic replicas).
 """
 from __future__ import annotations
 
-import atexit
 import copy
 import json
 import os
@@ -34,14 +33,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set
 
 from . import prometheus
+from .exit_hooks import stop_every_server, track
 from .fronts import ProxySpec, ReplicaRouterSpec, RouterSpec, with_python_path
-from .ports import free_port, listens_on
+from .ports import free_port, listens_on, taken_in_log
 from .reaper import descendants_and_group
 
 __all__ = ["CONNECTOR", "REAPER", "ROLES", "ProxySpec", "ReplicaRouterSpec", "RouterSpec", "Server",
@@ -202,8 +201,10 @@ class Server:
         self.log_path = os.path.join(log_dir, f"{spec.name}.log")
         self.proc: Optional[subprocess.Popen] = None  # the reaper
         self.starts = 0
+        self._picked: List[str] = []  # port fields it picked at its first start
+        self._log_start = 0
         self._lock = threading.Lock()
-        _LIVE.add(self)
+        track(self)
 
     @property
     def url(self) -> str:
@@ -231,13 +232,14 @@ class Server:
         with self._lock:
             if self.alive():
                 raise ServerError(f"{self.name} is already running (pid {self.proc.pid})")
-            if not self.spec.port:
-                self.spec.port = free_port(self.spec.host)
+            fields = ["port"]
             if self.spec.role == "prefill" and not getattr(self.spec, "default_addresses", False):
-                if not self.spec.side_channel_port:
-                    self.spec.side_channel_port = free_port(self.spec.host)
-                if not self.spec.bootstrap_port:
-                    self.spec.bootstrap_port = free_port(self.spec.host)
+                fields += ["side_channel_port", "bootstrap_port"]
+            picked = [f for f in fields if not getattr(self.spec, f)]
+            for name in picked:
+                setattr(self.spec, name, free_port(self.spec.host))
+            if self.starts == 0:  # ports it picked itself it may move (:meth:`wait_ready`)
+                self._picked = picked
             # the reaper by its path: as a module it would import torch_kvops (and torch),
             # ~150 MB per server for a loop over /proc
             cmd = [sys.executable, REAPER, "--grace", str(self.spec.grace_s), "--",
@@ -246,6 +248,7 @@ class Server:
                 cmd = ["ip", "netns", "exec", self.spec.netns, *cmd]
             self.starts += 1
             with open(self.log_path, "a") as log:  # restarts append to the same log
+                self._log_start = log.tell()
                 log.write(f"\n===== start {self.starts} of {self.name} at {time.strftime('%H:%M:%S')}: "
                           f"{' '.join(cmd)}\n")
                 log.flush()
@@ -256,9 +259,22 @@ class Server:
     def wait_ready(self, timeout: float = 600.0) -> None:
         """Wait until GET /health answers 200 from this server's own processes; raise
         :class:`ServerError` with the log's tail if the server exits or the timeout
-        passes first."""
+        passes first. If its log says another process holds one of its ports, a server
+        on ports the harness picked is started again on fresh ones (up to 3 times)
+        before anything fronts it; one on given ports fails at once."""
         deadline = time.monotonic() + timeout
         while True:
+            ports = [getattr(self.spec, f, 0) for f in ("port", "side_channel_port", "bootstrap_port")]
+            taken = taken_in_log(self.log_path, self._log_start, ports)
+            if taken is not None:
+                if not self._picked or self.starts > 3:
+                    raise ServerError(f"{self.name}: port {taken} is held by another process; "
+                                      f"log {self.log_path}:\n{self.log_tail()}")
+                self.kill()
+                for name in self._picked:
+                    setattr(self.spec, name, 0)
+                self.start()
+                continue
             if not self.alive():
                 code = None if self.proc is None else self.proc.returncode
                 raise ServerError(f"{self.name} exited (status {code}) before it was ready; "
@@ -266,8 +282,9 @@ class Server:
             try:
                 if _http_get(f"{self.url}/health", timeout=5.0) == 200:
                     if listens_on(self.processes(), self.spec.port):
+                        self._picked = []  # fronts may now hold its ports
                         return
-                    # another process holds the port: ours fails at bind and exits
+                    # another process holds the port: ours fails at bind (its log says so)
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass  # not listening yet: poll again until the deadline
             if time.monotonic() > deadline:
@@ -347,7 +364,6 @@ class Servers:
         os.makedirs(log_dir, exist_ok=True)
         self.log_dir = log_dir
         self.servers: Dict[str, Server] = {}
-        _install_exit_hooks()
 
     def add(self, spec: "ServerSpec | ProxySpec | RouterSpec | ReplicaRouterSpec") -> Server:
         """A server (not started: :meth:`start_all` or ``Server.start``/``wait_ready``)."""
@@ -409,39 +425,3 @@ class Servers:
         problems = self.stop_all()
         if problems:
             print("[servers] " + "; ".join(problems), file=sys.stderr)
-
-
-# Every Server not yet collected, for the exit hooks.
-_LIVE: "weakref.WeakSet[Server]" = weakref.WeakSet()
-_HOOKS_INSTALLED = False
-
-
-def stop_every_server() -> None:
-    """Stop every server this process started (atexit and signal hook)."""
-    for server in list(_LIVE):
-        try:
-            server.stop(grace=5.0)
-        except (ServerError, OSError) as exc:
-            print(f"[servers] {server.name}: {exc}", file=sys.stderr)
-
-
-def _install_exit_hooks() -> None:
-    global _HOOKS_INSTALLED
-    if _HOOKS_INSTALLED:
-        return
-    _HOOKS_INSTALLED = True
-    atexit.register(stop_every_server)
-    if threading.current_thread() is not threading.main_thread():
-        return  # signal handlers can only be set from the main thread; atexit and the reapers remain
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        previous = signal.getsignal(sig)
-
-        def handler(signum, frame, previous=previous):
-            stop_every_server()
-            if callable(previous):
-                previous(signum, frame)
-            elif previous != signal.SIG_IGN:
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-
-        signal.signal(sig, handler)
