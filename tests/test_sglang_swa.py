@@ -62,6 +62,12 @@ def fleet():
             d_radix = servers.add(SglangServerSpec("D-radix", model, role="decode",
                                                    extra_args=ONE_POOL + [DECODE_RADIX], **same))
             servers.add(SglangRouterSpec("router-radix", [p], [d_radix], extra_args=ROUTER_CHECKS))
+            # and a prefill and a decode server moving KV by head, behind a router of their own
+            by_head = dict(same, env=fleet_env(tmp, mha_unit="head"))
+            p_head = servers.add(SglangServerSpec("P-head", model, role="prefill", extra_args=ONE_POOL + [
+                "--chunked-prefill-size", str(CHUNK)], **by_head))
+            d_head = servers.add(SglangServerSpec("D-head", model, role="decode", extra_args=ONE_POOL, **by_head))
+            servers.add(SglangRouterSpec("router-head", [p_head], [d_head], extra_args=ROUTER_CHECKS))
             with serving(servers, ["P", "D", "ref"]):
                 yield servers, model, sabotage
 
@@ -69,9 +75,9 @@ def fleet():
 _reference: Dict[str, str] = {}
 
 
-def _differ(fleet, seed: int, n: int = 8):
+def _differ(fleet, seed: int, n: int = 8, router: str = "router"):
     servers, model, _ = fleet
-    return differ_from_reference(servers, model, seed, n, "sglang swa", _reference)
+    return differ_from_reference(servers, model, seed, n, f"sglang swa {router}", _reference, router)
 
 
 def _transformers_answers(model: str, prompts: List[str]) -> List[List[str]]:
@@ -122,15 +128,19 @@ def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_each_laye
     layers, early = count(p, "layers"), count(p, "layers_landed_during_forward")
     print(f"\n[sglang swa] {early:.0f} of {layers:.0f} pushed layers landed before their forward ended")
     assert layers > 0 and early >= layers * LANDED_IN_FORWARD, (early, layers)
-    # the sliding layers' pages before their window stayed on P (windows.py)
+    _windows_left_bytes_on_p(p)
+    pages_come_back(servers, ["P", "D"])
+
+
+def _windows_left_bytes_on_p(p: prometheus.Samples) -> None:
+    """The sliding layers' pages before their window stayed on P (windows.py): half
+    the layers slide; prompts of 50-800 tokens, windows of 64: about 40% fewer bytes."""
     config = swa_model_config()
     page_bytes = PAGE_SIZE * config["num_key_value_heads"] * config["head_dim"] * 4  # float32
     left, pushed = count(p, "window_pages_skipped") * page_bytes, count(p, "pushed_bytes")
     print(f"[sglang swa] {left:.0f} bytes of sliding layers' pages before their windows left on P, "
           f"{pushed:.0f} pushed: {left / (left + pushed):.1%} fewer")
-    # half the layers slide; prompts of 50-800 tokens, windows of 64: about 40% fewer
     assert left >= 0.3 * (left + pushed), (left, pushed)
-    pages_come_back(servers, ["P", "D"])
 
 
 def test_negative_control_a_window_pushed_short_changes_the_answers(fleet):
@@ -209,3 +219,29 @@ def test_a_decode_server_with_its_radix_cache_gets_every_page_of_the_sliding_lay
         sabotage.set()
     assert len(differ) >= 4, f"only second prompts {differ} of 6 answered otherwise"
     assert _shared_starts(fleet, seed=49, n=2) == []  # and whole again
+
+
+def test_by_head_a_sliding_layer_moves_its_window_only_too(fleet):
+    """``"mha_unit": "head"`` (what attention TP sizes that differ need; here TP 1 to TP
+    1): a unit is one KV head of one token, and a sliding layer's units of the pages
+    before its window stay on P as they do by page. Every answer equals the reference's
+    and pages were left on P. Negative control, in the suite: ``short_window`` on this
+    pair, with D's checks on: the answers differ."""
+    servers, model, sabotage = fleet
+    servers.start(["P-head", "D-head"], 600)
+    servers.start(["router-head"], 600)
+    try:
+        router_serves_again(servers, model, router="router-head")
+        assert _differ(fleet, seed=50, router="router-head")[0] == []
+        p = prometheus.fetch(servers["P-head"].url)
+        assert count(p, "chunks", label="forward") > 8
+        _windows_left_bytes_on_p(p)
+        assert not count(p, "rooms", label="failed")
+        with open(servers["D-head"].log_path) as f:
+            assert "moved by KV head (2 of 2)" in f.read()
+        sabotage_changes_the_answers(sabotage, ("short_window",), lambda: _differ(fleet, 51, router="router-head"))
+        assert _differ(fleet, seed=52, n=4, router="router-head")[0] == []  # and whole again
+        pages_come_back(servers, ["P-head", "D-head"])
+    finally:  # their health checks would load the machine for the rest of the module
+        for name in ("router-head", "P-head", "D-head"):
+            servers[name].stop()

@@ -417,6 +417,31 @@ def test_windows_apply_by_page_to_a_decode_rank_that_reads_windows_only():
     assert plain.request(7, list(range(40, 50)), slice(40, 50), True, None).layer_first_block is None
 
 
+def test_by_head_a_sliding_layer_leaves_out_the_units_of_the_pages_before_its_window():
+    """``"mha_unit": "head"``, 4 KV heads, P at TP 2 (rank 0: heads 0-1) to D at TP 1,
+    pages of 16: a unit is one head of one token, 2 per token of this part, so the 5
+    pages a sliding buffer skips in pages 40-49 of a 50-page destination are its first
+    5 * 16 * 2 units; its other units, and a full buffer's, equal those moved without
+    windows. To a D that does not read windows only, every unit."""
+    windows = _windows({0: 63, 1: -1}, 2)
+    heads = RankHeads(4, 2, 0, 16)
+    pages = np.arange(500, 550)
+    windowed = destination(heads, {"total": 4, "tp_size": 1, "rank": 0}, "peer", "tcp://d", pages, 0,
+                           "d1", windows_only=True)
+    every = destination(heads, {"total": 4, "tp_size": 1, "rank": 0}, "peer", "tcp://d", pages, 0, "d1")
+    req = windowed.request(7, list(range(40, 50)), slice(40, 50), True, windows)
+    full = every.request(7, list(range(40, 50)), slice(40, 50), True, windows)
+    assert full.layer_first_block is None and len(full.src_blocks) == 10 * 16 * 2
+    assert dict(req.layer_first_block) == {0: 5 * 16 * 2, 2: 5 * 16 * 2}
+    assert list(req.src_blocks) == list(full.src_blocks) and list(req.dst_blocks) == list(full.dst_blocks)
+    # the first unit a sliding buffer moves is head 0 of page 45's first token, on both sides
+    first = req.layer_first_block[0]
+    assert req.src_blocks[first] == 45 * 16 * 2 and req.dst_blocks[first] == 545 * 16 * 4
+    # every layer sliding: the pages before the window are dropped from the request
+    all_sliding = windowed.request(7, list(range(40, 50)), slice(40, 50), True, _windows({0: 63, 1: 63}, 2))
+    assert all_sliding.layer_first_block is None and list(all_sliding.src_blocks) == list(full.src_blocks[first:])
+
+
 def test_the_forward_plans_each_chunk_with_its_windows():
     """The layer-wise plan of an 800-token prompt in chunks of 256, pages of 16, to a
     destination of 50 pages: sliding buffers skip the pages before page 45 in every

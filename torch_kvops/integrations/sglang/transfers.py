@@ -37,7 +37,7 @@ class Destination:
     session: str  # that rank's connector engine id
     heads: Optional[RankHeads] = None  # MHA by head: this prefill rank's heads (else by page)
     part: Optional[PartPlan] = None  # MHA by head: the heads it sends that decode rank
-    windowed: bool = False  # by page, to a rank that reads windows only: sliding layers' windows only
+    windowed: bool = False  # to a rank that reads windows only: sliding layers' windows only
 
     def transfer(self, room: int) -> str:
         if self.part is None:
@@ -47,20 +47,23 @@ class Destination:
     def request(self, room: int, src_pages: Sequence[int], dst: slice, last: bool,
                 windows: Optional[SlidingWindows] = None) -> TransferRequest:
         """The transfer of ``src_pages`` into this destination's pages ``dst``: whole
-        pages (MLA, or MHA by page; of a sliding layer, those of its window only where
-        ``windowed``), or the part's heads of each of their tokens (MHA by head)."""
+        pages (MLA, or MHA by page), or the part's heads of each of their tokens (MHA by
+        head); of a sliding layer, those of its window's pages only where ``windowed``."""
         dst_pages = self.pages[dst]
+        src, firsts = list(src_pages), None
+        if windows is not None and self.windowed and len(dst_pages):
+            dropped, firsts = windows.cut(len(self.pages), dst.indices(len(self.pages))[0],
+                                          len(dst_pages))
+            src, dst_pages = src[dropped:], dst_pages[dropped:]
         if self.part is None:
-            src, firsts = list(src_pages), None
-            if windows is not None and self.windowed and len(dst_pages):
-                dropped, firsts = windows.cut(len(self.pages), dst.indices(len(self.pages))[0],
-                                              len(dst_pages))
-                src, dst_pages = src[dropped:], dst_pages[dropped:]
             return TransferRequest(self.transfer(room), self.peer, src, dst_pages.tolist(),
                                    last_chunk=last, layer_first_block=firsts or None)
+        # by head: a page's units are its tokens' heads of this part, token by token
         size = self.heads.page_size
-        src, dst_units = self.part.units(page_tokens(src_pages, size), page_tokens(dst_pages, size))
-        return TransferRequest(self.transfer(room), self.peer, src, dst_units, last_chunk=last)
+        per_page = size * len(self.part.heads)
+        src, dst_units = self.part.units(page_tokens(src, size), page_tokens(dst_pages, size))
+        return TransferRequest(self.transfer(room), self.peer, src, dst_units, last_chunk=last,
+                               layer_first_block={b: f * per_page for b, f in (firsts or {}).items()} or None)
 
 
 def destination(heads: Optional[RankHeads], theirs: Optional[dict], peer: str, endpoint: str,
@@ -80,7 +83,8 @@ def destination(heads: Optional[RankHeads], theirs: Optional[dict], peer: str, e
     if not isinstance(theirs, dict) or theirs.get("total") != heads.total:
         raise ValueError(f"decode rank {session} holds KV heads {theirs}; this model has {heads.total}")
     part = heads.plan_to(int(theirs["tp_size"]), int(theirs["rank"]))
-    return None if part is None else Destination(peer, endpoint, pages, aux_index, session, heads, part)
+    return None if part is None else Destination(peer, endpoint, pages, aux_index, session, heads, part,
+                                                 windowed=windows_only)
 
 
 def pushed_bytes(requests: Sequence[TransferRequest], caches: Sequence[torch.Tensor]) -> int:

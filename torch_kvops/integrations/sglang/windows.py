@@ -14,8 +14,8 @@ Only to a D that reads nothing else: not one that caches prompts (its radix cach
 later prompt that shares this one's start reads its sliding layers' pages before this
 window), nor one whose attention backend ignores the window (``flex_attention``,
 ``wave``: they read every token). D tells P in its registration
-(``sglang_windows_only``); to a D that does not say, P pushes every page. Not with
-``mha_unit: "head"`` either (its units are heads of tokens, not pages).
+(``sglang_windows_only``); to a D that does not say, P pushes every page. With
+``mha_unit: "head"`` the same pages' units (their tokens' heads) are left out.
 """
 from __future__ import annotations
 
