@@ -37,7 +37,7 @@ from torch_kvops.serving.sglang import SglangRouterSpec, SglangServerSpec, sglan
 from serving_fleet import workspace
 from sglang_fleet import (LANDED_IN_FORWARD, MAX_TOKENS, PAGE_SIZE, ROUTER_CHECKS, answers, count,
                           differ_from_reference, fleet_env, pages_come_back, random_prompts,
-                          router_serves_again, sabotage_changes_the_answers, serving)
+                          router_ready, router_serves_again, sabotage_changes_the_answers, serving)
 
 CHUNK = 256  # P's --chunked-prefill-size
 ONE_POOL = ["--disable-hybrid-swa-memory"]
@@ -68,6 +68,9 @@ def fleet():
                 "--chunked-prefill-size", str(CHUNK)], **by_head))
             d_head = servers.add(SglangServerSpec("D-head", model, role="decode", extra_args=ONE_POOL, **by_head))
             servers.add(SglangRouterSpec("router-head", [p_head], [d_head], extra_args=ROUTER_CHECKS))
+            # (no retries: each of a failed room's retries waits out D's failure, ~20 s)
+            servers.add(SglangRouterSpec("router-mixed", [p], [d_head], extra_args=ROUTER_CHECKS + [
+                "--disable-retries"]))
             with serving(servers, ["P", "D", "ref"]):
                 yield servers, model, sabotage
 
@@ -242,6 +245,24 @@ def test_by_head_a_sliding_layer_moves_its_window_only_too(fleet):
         sabotage_changes_the_answers(sabotage, ("short_window",), lambda: _differ(fleet, 51, router="router-head"))
         assert _differ(fleet, seed=52, n=4, router="router-head")[0] == []  # and whole again
         pages_come_back(servers, ["P-head", "D-head"])
+        _a_fleet_that_mixes_units_fails_its_rooms_alone(fleet)
     finally:  # their health checks would load the machine for the rest of the module
-        for name in ("router-head", "P-head", "D-head"):
+        for name in ("router-mixed", "router-head", "P-head", "D-head"):
             servers[name].stop()
+
+
+def _a_fleet_that_mixes_units_fails_its_rooms_alone(fleet) -> None:
+    """P by page, D by head (``router-mixed``): a misconfigured fleet. Its rooms fail
+    with the setting named in P's log, no answer is made of wrong KV, both servers stay
+    up and give their pages back, and each serves its own fleet on."""
+    servers, model, _ = fleet
+    servers.start(["router-mixed"], 600)
+    router_ready(servers["router-mixed"])
+    failed = count(prometheus.fetch(servers["P"].url), "rooms", label="failed")
+    got = answers(servers["router-mixed"].url, model, random_prompts(seed=53, n=2))
+    assert all(a.startswith("<") for a in got), got
+    assert count(prometheus.fetch(servers["P"].url), "rooms", label="failed") >= failed + 2
+    with open(servers["P"].log_path) as f:
+        assert "set the same mha_unit on every server of the fleet" in f.read()
+    pages_come_back(servers, ["P", "D-head"])
+    assert _differ(fleet, seed=54, n=2)[0] == [] and _differ(fleet, seed=55, n=2, router="router-head")[0] == []

@@ -20,7 +20,7 @@ import torch
 from torch_kvops.integrations.sglang.prefill_restarts import cached_endpoints, prefill_restarted
 from torch_kvops.integrations.sglang.settings import CONFIG_ENV, KvopsSglangSettings
 from torch_kvops.integrations.sglang import decode_peers
-from torch_kvops.integrations.sglang.decode_peers import DecodePeers
+from torch_kvops.integrations.sglang.decode_peers import HELD, DecodePeers
 from torch_kvops.integrations.sglang.signing import MessageSigner, SignedAborts
 from torch_kvops.heads import rank_heads
 from torch_kvops.integrations.sglang.heads import RankHeads, destination_ranks
@@ -263,8 +263,7 @@ def test_mha_unit_is_page_by_default_and_a_bad_value_fails_at_start_up(monkeypat
 
 def test_a_decode_rank_moving_mha_kv_by_the_other_unit_is_refused_naming_the_setting():
     """Prefill by head, decode by page, or the reverse: no destination, the room fails
-    with the setting named (where the unit sizes differ, the connector's layout check
-    refuses the link first)."""
+    with the setting named (the link is refused first, naming it too: below)."""
     heads, theirs = RankHeads(2, 1, 0, 16), {"total": 2, "tp_size": 2, "rank": 0}
     assert destination(heads, theirs, "peer", "tcp://d:1", np.arange(2), 0, "s").part is not None
     assert destination(None, None, "peer", "tcp://d:1", np.arange(2), 0, "s").part is None
@@ -305,6 +304,29 @@ def test_decode_registrations_stay_bounded_while_decode_servers_restart(monkeypa
         assert peers.registration("live-0") == {"engine_id": "live-0"}
         assert peers.peer("live-0", [b"1"]) == "peer-live-0"
         assert peers.registration("gone-0") is None and peers.peer("gone-0", [b"1"]) is None
+    finally:
+        peers.close()
+
+
+def test_a_decode_rank_registered_with_the_other_unit_is_never_linked_and_its_rooms_name_the_setting():
+    """A prefill rank by head and a decode rank by page (or the reverse; a fleet that
+    mixes them): its held room fails naming ``mha_unit``, and no link is tried (the
+    layout check would refuse it naming bytes only, or, where sizes happen to agree,
+    link it). Seen red without the check: the room failed with "refused"."""
+    failed, heads = {}, RankHeads(2, 1, 0, 16)
+    done = threading.Event()
+    peers = DecodePeers(_Links(), threading.RLock(), replay=lambda msg: None,
+                        fail=lambda room, why: (failed.update({room: why}), done.set()), heads=heads)
+    try:
+        peers.register("mixed", {"engine_id": "mixed"})  # no sglang_heads: by page
+        assert peers.peer("mixed", [b"7", b"127.0.0.1", b"5000"]) in (HELD, None)
+        assert done.wait(10.0)
+        assert "set the same mha_unit on every server of the fleet" in failed[7], failed
+        peers.register("live-by-head", {"engine_id": "live-by-head", "sglang_heads": {"total": 2}})
+        deadline = time.monotonic() + 10.0
+        while peers.peer("live-by-head", [b"8", b"127.0.0.1", b"5000"]) != "peer-live-by-head":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
     finally:
         peers.close()
 

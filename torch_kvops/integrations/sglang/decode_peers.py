@@ -24,9 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set
 
 from ...connector.breaker import PeerBreaker
+from .transfers import unit_mismatch
 
 if TYPE_CHECKING:
     from ...connector import LayerwiseConnector
+    from .heads import RankHeads
     from .metrics import Counts
 
 log = logging.getLogger(__name__)
@@ -50,13 +52,17 @@ class DecodePeers:
     """Decode rank session -> the connector's peer id. ``handle_lock`` is the lock the
     receive thread handles each message under (re-entrant: an attempt may end on the
     thread that asked for it): a held room is handled under it too, by ``replay(msg)``
-    once its peer is known (which must not raise), or ended by ``fail(room, reason)``."""
+    once its peer is known (which must not raise), or ended by ``fail(room, reason)``.
+    ``heads``: this prefill rank's KV heads when it moves MHA KV by head (None: by
+    page); a decode rank that registered the other unit is not linked, and its rooms
+    fail naming the setting (before the layout check, which would name bytes only)."""
 
     def __init__(self, conn: "LayerwiseConnector", handle_lock: "threading.RLock",
                  replay: Callable[[List[bytes]], None], fail: Callable[[int, str], None],
-                 breaker: Optional[PeerBreaker] = None, counts: Optional["Counts"] = None) -> None:
+                 breaker: Optional[PeerBreaker] = None, counts: Optional["Counts"] = None,
+                 heads: Optional["RankHeads"] = None) -> None:
         self._conn, self._handle_lock = conn, handle_lock
-        self._replay, self._fail = replay, fail
+        self._replay, self._fail, self._heads = replay, fail, heads
         self._lock = threading.Lock()
         # session -> its peer_info, as last registered; least recently used first
         self._infos: "OrderedDict[str, dict]" = OrderedDict()
@@ -194,6 +200,9 @@ class DecodePeers:
             with self._lock:
                 info = self._infos[session]
             try:
+                mismatch = unit_mismatch(self._heads, info.get("sglang_heads"))
+                if mismatch:
+                    raise ValueError(mismatch)
                 peer, error = self._conn.add_peer(info), None  # validates the layout against ours
             except (ValueError, RuntimeError, ConnectionError, OSError) as exc:
                 peer, error = None, f"decode rank {session} could not be connected: {exc}"

@@ -94,7 +94,7 @@ class KvopsKVManager(SerialSends, sgl.CommonKVManager):
         self.step_lock = threading.Lock()  # one connector step at a time: forward or push thread
         self._handle_lock = threading.RLock()  # one message handled at a time (decode_peers.py)
         self.decode_peers = DecodePeers(self.conn, self._handle_lock, self._handle, self.fail,
-                                        counts=self.counts) if self.prefill else None
+                                        counts=self.counts, heads=self.heads) if self.prefill else None
         self._prefill_parts: Dict[int, Set[str]] = {}  # prefill: room -> its parts done
         self.pushes = PushQueue(self)
         self.layerwise = self.rooms = None

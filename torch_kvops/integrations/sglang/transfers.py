@@ -66,6 +66,16 @@ class Destination:
                                layer_first_block={b: f * per_page for b, f in (firsts or {}).items()} or None)
 
 
+def unit_mismatch(heads: Optional[RankHeads], theirs: Optional[dict]) -> str:
+    """What is wrong when a decode rank registered ``theirs`` heads (None: it moves MHA
+    KV by page) and this prefill rank moves by ``heads`` (None: by page), or ""."""
+    if (heads is None) == (theirs is None):
+        return ""
+    mine, other = ("page", "head") if heads is None else ("head", "page")
+    return (f"moves MHA KV by {other}, this prefill server by {mine}: "
+            "set the same mha_unit on every server of the fleet")
+
+
 def destination(heads: Optional[RankHeads], theirs: Optional[dict], peer: str, endpoint: str,
                 pages: np.ndarray, aux_index: int, session: str,
                 windows_only: bool = False) -> Optional[Destination]:
@@ -74,10 +84,9 @@ def destination(heads: Optional[RankHeads], theirs: Optional[dict], peer: str, e
     page); ``windows_only``: whether it registered as reading a sliding layer's window
     only (windows.py; else every page of every layer is pushed). None where a replica
     on a lower prefill rank sends that rank's heads (replicated KV heads)."""
-    if (heads is None) != (theirs is None):
-        mine, other = ("page", "head") if heads is None else ("head", "page")
-        raise ValueError(f"decode rank {session} moves MHA KV by {other}, this prefill server by {mine}: "
-                         "set the same mha_unit on every server of the fleet")
+    mismatch = unit_mismatch(heads, theirs)
+    if mismatch:
+        raise ValueError(f"decode rank {session} {mismatch}")
     if heads is None:
         return Destination(peer, endpoint, pages, aux_index, session, windowed=windows_only)
     if not isinstance(theirs, dict) or theirs.get("total") != heads.total:
