@@ -263,7 +263,7 @@ class PeerStep:
             if not self._windowed:  # the usual case: every block of every request
                 self._digests.submit(peer, layer, {req.req_id: blocks for req, blocks, _ in self._entries})
             else:
-                firsts = {req.req_id: req.first_block(layer) for req, _, _ in self._entries}
+                firsts = dict(zip((req.req_id for req, _, _ in self._entries), self._firsts(layer)))
                 moved = {req.req_id: blocks[firsts[req.req_id]:] for req, blocks, _ in self._entries}
                 self._digests.submit(peer, layer, moved, {r: f for r, f in firsts.items() if f})
         self._digests.send_ready(peer, self._step.failed_peers)  # earlier layers', if done

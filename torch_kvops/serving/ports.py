@@ -6,7 +6,7 @@ import random
 import re
 import socket
 import threading
-from typing import Iterable, Optional, Set
+from typing import Iterable, Optional, Set, Tuple
 
 _FIRST = 20000  # below: well-known and registered services, ports engines pick (vLLM kv_port 14579)
 
@@ -91,21 +91,23 @@ def listens_on(pids: Set[int], port: int) -> bool:
     return False
 
 
-def taken_in_log(log_path: str, offset: int, ports: Iterable[int]) -> Optional[int]:
-    """The first of ``ports`` that a server's log, from byte ``offset`` on, says another
-    process holds ("address already in use" with that port on the line). A server may
-    log that and stay up without its HTTP server (seen: SGLang's prefill server, while
-    the harness waited out its 600 s), so readiness reads the log as well as /health."""
+def taken_in_log(log_path: str, offset: int, ports: Iterable[int]) -> Tuple[Optional[int], int]:
+    """(the first of ``ports`` that a server's log, read from byte ``offset`` to its last
+    whole line, says another process holds: "address already in use" with that port on
+    the line, or None; the offset to read from next). A server may log that and stay up
+    without its HTTP server (seen: SGLang's prefill server, while the harness waited out
+    its 600 s), so readiness reads the log as well as /health."""
     wanted = {int(p) for p in ports if p}
     try:
         with open(log_path, "rb") as f:
             f.seek(offset)
-            text = f.read().decode(errors="replace")
+            data = f.read()
     except FileNotFoundError:
-        return None
-    for line in text.splitlines():
+        return None, offset
+    whole = data[:data.rfind(b"\n") + 1]  # a line still being written is read next time
+    for line in whole.decode(errors="replace").splitlines():
         if "already in use" in line.lower():
             for number in re.findall(r"\d+", line):
                 if int(number) in wanted:
-                    return int(number)
-    return None
+                    return int(number), offset + len(whole)
+    return None, offset + len(whole)

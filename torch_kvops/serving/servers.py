@@ -47,6 +47,7 @@ __all__ = ["CONNECTOR", "REAPER", "ROLES", "ProxySpec", "ReplicaRouterSpec", "Ro
            "ServerError", "ServerSpec", "Servers", "free_port", "merged", "stop_every_server"]
 
 ROLES = ("prefill", "decode", "monolithic")
+PORT_FIELDS = ("port", "side_channel_port", "bootstrap_port")  # the last two: a prefill server's
 REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
 SHM_SPIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shm_spin")
 SHM_BUSY_LOOP_VARIABLE = "VLLM_SHM_BROADCAST_BUSY_LOOP_S"  # vllm-project/vllm#52814
@@ -202,7 +203,7 @@ class Server:
         self.proc: Optional[subprocess.Popen] = None  # the reaper
         self.starts = 0
         self._picked: List[str] = []  # port fields it picked at its first start
-        self._log_start = 0
+        self._log_scanned = 0
         self._lock = threading.Lock()
         track(self)
 
@@ -232,10 +233,8 @@ class Server:
         with self._lock:
             if self.alive():
                 raise ServerError(f"{self.name} is already running (pid {self.proc.pid})")
-            fields = ["port"]
-            if self.spec.role == "prefill" and not getattr(self.spec, "default_addresses", False):
-                fields += ["side_channel_port", "bootstrap_port"]
-            picked = [f for f in fields if not getattr(self.spec, f)]
+            prefill = self.spec.role == "prefill" and not getattr(self.spec, "default_addresses", False)
+            picked = [f for f in PORT_FIELDS[:3 if prefill else 1] if not getattr(self.spec, f)]
             for name in picked:
                 setattr(self.spec, name, free_port(self.spec.host))
             if self.starts == 0:  # ports it picked itself it may move (:meth:`wait_ready`)
@@ -248,7 +247,7 @@ class Server:
                 cmd = ["ip", "netns", "exec", self.spec.netns, *cmd]
             self.starts += 1
             with open(self.log_path, "a") as log:  # restarts append to the same log
-                self._log_start = log.tell()
+                self._log_scanned = log.tell()  # where wait_ready reads this start's log from
                 log.write(f"\n===== start {self.starts} of {self.name} at {time.strftime('%H:%M:%S')}: "
                           f"{' '.join(cmd)}\n")
                 log.flush()
@@ -264,8 +263,8 @@ class Server:
         before anything fronts it; one on given ports fails at once."""
         deadline = time.monotonic() + timeout
         while True:
-            ports = [getattr(self.spec, f, 0) for f in ("port", "side_channel_port", "bootstrap_port")]
-            taken = taken_in_log(self.log_path, self._log_start, ports)
+            taken, self._log_scanned = taken_in_log(self.log_path, self._log_scanned,
+                                                    [getattr(self.spec, f, 0) for f in PORT_FIELDS])
             if taken is not None:
                 if not self._picked or self.starts > 3:
                     raise ServerError(f"{self.name}: port {taken} is held by another process; "
