@@ -234,7 +234,7 @@ class Server:
             if self.alive():
                 raise ServerError(f"{self.name} is already running (pid {self.proc.pid})")
             prefill = self.spec.role == "prefill" and not getattr(self.spec, "default_addresses", False)
-            picked = [f for f in PORT_FIELDS[:3 if prefill else 1] if not getattr(self.spec, f)]
+            picked = [f for f in (PORT_FIELDS if prefill else PORT_FIELDS[:1]) if not getattr(self.spec, f)]
             for name in picked:
                 setattr(self.spec, name, free_port(self.spec.host))
             if self.starts == 0:  # ports it picked itself it may move (:meth:`wait_ready`)
