@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 import time
@@ -28,28 +29,91 @@ def key_file(tmp_path):
     return str(path)
 
 
-# Each module's wall time, written as the next module starts (and at the end): a run cut
-# off at CI's time limit still shows where its time went.
-_module = {"name": None, "start": 0.0, "config": None}
+# `make test` runs the modules on 2 workers (pytest-xdist, ``--dist loadgroup``): most of
+# a fleet test's time one core waits on the other (a prefill forward, then a decode
+# step), so a second module fills it. A module is one work unit (its fleet fixture is
+# module-scoped); the modules that make network namespaces share one unit, as their
+# hosts' addresses are fixed (testing/emulated_hosts.py, netns_host.py).
+NETNS_MODULES = {"test_decode_links.py", "test_demo.py", "test_emulated_link.py", "test_partition.py",
+                 "test_slow_consumer.py", "test_three_hosts.py"}
+# Each unit's seconds on a 2-core Xeon with AMX (CI of stop 54): the heaviest start first,
+# so that no long module is left to run alone at the end. Order only, never asserted.
+with open(os.path.join(os.path.dirname(__file__), "module_seconds.json")) as _f:
+    UNIT_SECONDS = json.load(_f)
 
 
-def _write_module_time() -> None:
-    config = _module["config"]
-    reporter = config.pluginmanager.get_plugin("terminalreporter") if config else None
-    if _module["name"] is not None and reporter is not None:
-        reporter.write(f"\n[module time] {_module['name']}: {time.monotonic() - _module['start']:.0f} s\n")
+def work_unit(module_path: str) -> str:
+    name = os.path.basename(module_path)
+    return "netns" if name in NETNS_MODULES else name
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the marks
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(work_unit(item.nodeid.split("::")[0])))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class HeaviestFirst(LoadGroupScheduling):
+        def _assign_work_unit(self, node):
+            heaviest = max(self.workqueue, key=lambda unit: UNIT_SECONDS.get(unit, 0))
+            self.workqueue.move_to_end(heaviest, last=False)
+            super()._assign_work_unit(node)
+
+    return HeaviestFirst(config, log)
 
 
 def pytest_configure(config):
-    _module["config"] = config
+    # each worker's servers take ports from its own part of the range (serving/ports.py):
+    # two fleets starting at once never draw the same one
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        os.environ["KVOPS_PORT_PART"] = f"{worker.lstrip('gw')}/{os.environ['PYTEST_XDIST_WORKER_COUNT']}"
+    _modules["config"] = config
+
+
+# Each module's wall time (from its first test's start to its last test's end), written
+# as it ends: a run cut off at CI's time limit still shows where its time went. Kept by
+# the process that reports (xdist's controller, or pytest itself without workers).
+_modules = {"config": None, "left": {}, "start": {}}
+
+
+def _module_of(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+def _count_tests(nodeids) -> None:
+    if not _modules["left"]:
+        for nodeid in nodeids:
+            name = _module_of(nodeid)
+            _modules["left"][name] = _modules["left"].get(name, 0) + 1
+
+
+def pytest_collection_finish(session):
+    if not hasattr(session.config, "workerinput"):
+        _count_tests(item.nodeid for item in session.items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    _count_tests(ids)
 
 
 def pytest_runtest_logstart(nodeid, location):
-    name = nodeid.split("::")[0]
-    if name != _module["name"]:
-        _write_module_time()
-        _module.update(name=name, start=time.monotonic())
+    _modules["start"].setdefault(_module_of(nodeid), time.monotonic())
 
 
-def pytest_sessionfinish(session):
-    _write_module_time()
+def pytest_runtest_logfinish(nodeid, location):
+    config, name = _modules["config"], _module_of(nodeid)
+    if name not in _modules["left"] or hasattr(config, "workerinput"):
+        return
+    _modules["left"][name] -= 1
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if _modules["left"][name] == 0 and reporter is not None:
+        seconds = time.monotonic() - _modules["start"][name]
+        reporter.write(f"\n[module time] {name}: {seconds:.0f} s\n")

@@ -145,6 +145,21 @@ def test_ports_are_never_handed_out_twice_and_a_server_is_ready_only_on_its_own_
         assert "address already in use" in second.log_tail()
         assert first.healthy()
 
+def test_processes_given_parts_of_the_range_never_draw_the_same_port(monkeypatch):
+    """The suite's two workers start fleets side by side (tests/conftest.py): each
+    draws from its own part, so they cannot pick one port at the same moment."""
+    drawn = {}
+    for part in ("0/2", "1/2"):
+        monkeypatch.setenv("KVOPS_PORT_PART", part)
+        drawn[part] = {free_port() for _ in range(200)}
+    assert not drawn["0/2"] & drawn["1/2"]
+    assert max(drawn["0/2"]) < min(drawn["1/2"]), "the parts overlap"
+    for wrong in ("2/2", "1", "a/b"):
+        monkeypatch.setenv("KVOPS_PORT_PART", wrong)
+        with pytest.raises(ValueError, match="expected i/n"):
+            free_port()
+
+
 
 # A server like SGLang's: its HTTP server (uvicorn) fails at bind, logs it, and the
 # process stays up (here a non-daemon thread holds it, as SGLang's own threads did).

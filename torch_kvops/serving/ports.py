@@ -27,6 +27,22 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def _drawn_range() -> Tuple[int, int]:
+    """[first, end) of the ports :func:`free_port` draws from: below the ephemeral range,
+    or part ``i`` of ``n`` of it with ``KVOPS_PORT_PART=i/n`` (processes that start
+    servers side by side, as the test suite's workers, each take their own part)."""
+    first, end = _FIRST, _ephemeral_low()
+    part = os.environ.get("KVOPS_PORT_PART")
+    if part:
+        match = re.fullmatch(r"(\d+)/(\d+)", part)
+        if not match or int(match[1]) >= int(match[2]):
+            raise ValueError(f"KVOPS_PORT_PART={part!r}: expected i/n with 0 <= i < n")
+        index, parts = int(match[1]), int(match[2])
+        size = (end - first) // parts
+        first, end = first + index * size, first + (index + 1) * size
+    return first, end
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on ``host`` now, below the kernel's ephemeral range: a port picked
     here is bound later by the server it is for, and a port from the ephemeral range
@@ -34,11 +50,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     bootstrap endpoint failing with "Address already in use" as its fleet started).
     Never the same port twice in one process. Another process's explicit bind can still
     take it: a server's readiness check asks who listens (``Server.wait_ready``)."""
-    low = _ephemeral_low()
+    first, end = _drawn_range()
     rng = random.SystemRandom()
     with _LOCK:
         for _ in range(200):
-            port = rng.randrange(_FIRST, low) if low > _FIRST + 1000 else 0
+            port = rng.randrange(first, end) if end > first + 1000 else 0
             if port in _HANDED_OUT:
                 continue
             with socket.socket() as s:
