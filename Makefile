@@ -34,7 +34,8 @@ torch_kvops/.built: $(SOURCES)
 	touch $@
 
 test: build setup-vllm setup-sglang
-	$(PY) -m pytest -q -n 2 --dist loadgroup tests
+	$(PY) -m pytest -q -n 2 --dist loadscope -m "not alone" tests
+	$(PY) -m pytest -q -m alone tests
 
 # GPU-only tests; run where a CUDA device exists (not in CI: CI has no GPU).
 test-gpu: build
