@@ -1,4 +1,3 @@
-import json
 import os
 import sys
 import time
@@ -29,22 +28,11 @@ def key_file(tmp_path):
     return str(path)
 
 
-# `make test` runs the modules on 2 workers (pytest-xdist, ``-n 2 --dist loadscope``):
-# most of a fleet test's time one core waits on the other (a prefill forward, then a
-# decode step), so a second module fills it. The scheduler below makes each module one
-# work unit (its fleet fixture is module-scoped), except the modules that make network
-# namespaces: their hosts' addresses are fixed (testing/emulated_hosts.py,
-# netns_host.py), so they share one unit and never run side by side.
-NETNS_MODULES = {"test_decode_links.py", "test_demo.py", "test_partition.py", "test_three_hosts.py"}
 # Modules that bound how fast something went (a link's rate, a request that must not wait
 # for another's): marked ``alone``, and `make test` runs them after the others, with no
-# module beside them on the 2 cores.
+# module beside them on the 2 cores. The others run on 2 workers (module_scheduler.py).
 ALONE_MODULES = {"test_emulated_link.py", "test_slow_consumer.py", "test_slow_scatter.py",
                  "test_transport_mooncake.py"}
-# Each unit's seconds on a 2-core Xeon with AMX (CI of stop 54): the heaviest start first,
-# so that no long module is left to run alone at the end. Order only, never asserted.
-with open(os.path.join(os.path.dirname(__file__), "module_seconds.json")) as _f:
-    UNIT_SECONDS = json.load(_f)
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by the marks
@@ -54,27 +42,12 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.alone)
 
 
-def work_unit(nodeid: str) -> str:
-    name = os.path.basename(nodeid.split("::")[0])
-    return "netns" if name in NETNS_MODULES else name
-
-
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own (it answers first)
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadscope":
         return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ModulesHeaviestFirst(LoadScopeScheduling):
-        def _split_scope(self, nodeid):
-            return work_unit(nodeid)
-
-        def _assign_work_unit(self, node):
-            heaviest = max(self.workqueue, key=lambda unit: UNIT_SECONDS.get(unit, 0))
-            self.workqueue.move_to_end(heaviest, last=False)
-            super()._assign_work_unit(node)
-
-    return ModulesHeaviestFirst(config, log)
+    from module_scheduler import make_scheduler
+    return make_scheduler(config, log)
 
 
 def pytest_configure(config):

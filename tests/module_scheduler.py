@@ -1,0 +1,59 @@
+"""How `make test` spreads the modules over its 2 workers (pytest-xdist, ``-n 2 --dist
+loadscope``, tests/conftest.py). Most of a fleet test's time one core waits on the other
+(a prefill forward, then a decode step), so a second module fills it, within two limits:
+
+- a module is one work unit (its fleet is a module-scoped fixture), except the modules
+  that make network namespaces: their hosts' addresses are fixed
+  (testing/emulated_hosts.py, netns_host.py), so they share one unit;
+- two big fleets never run side by side: an SGLang fleet holds 3-6 servers of ~2 GB each,
+  and two of them (or one beside the vLLM serving fleet) filled a 24 GiB machine.
+
+Within those, the heaviest unit goes first, so no long module is left alone at the end.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+NETNS_MODULES = {"test_decode_links.py", "test_demo.py", "test_partition.py", "test_three_hosts.py"}
+BIG_FLEETS = {"test_sglang_decode_radix.py", "test_sglang_mla.py", "test_sglang_pd.py",
+              "test_sglang_replicated_heads.py", "test_sglang_swa.py", "test_sglang_tp.py",
+              "test_serving_load.py", "test_serving_restarts.py", "netns"}
+# Each unit's seconds on a 2-core Xeon with AMX, run one after another: order only.
+with open(os.path.join(os.path.dirname(__file__), "module_seconds.json")) as _f:
+    UNIT_SECONDS = json.load(_f)
+
+
+def work_unit(nodeid: str) -> str:
+    name = os.path.basename(nodeid.split("::")[0])
+    return "netns" if name in NETNS_MODULES else name
+
+
+def make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesHeaviestFirst(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return work_unit(nodeid)
+
+        def _big_fleet_elsewhere(self, node) -> bool:
+            return any(unit in BIG_FLEETS and False in tests.values()
+                       for other, units in self.assigned_work.items() if other is not node
+                       for unit, tests in units.items())
+
+        def _assign_work_unit(self, node):
+            blocked = self._big_fleet_elsewhere(node)
+            fits = [unit for unit in self.workqueue if not (blocked and unit in BIG_FLEETS)]
+            if not fits:  # the node waits: a test ending elsewhere reschedules it
+                return
+            heaviest = max(fits, key=lambda unit: UNIT_SECONDS.get(unit, 0))
+            self.workqueue.move_to_end(heaviest, last=False)
+            super()._assign_work_unit(node)
+
+        def mark_test_complete(self, node, item_index, duration=0):
+            super().mark_test_complete(node, item_index, duration)
+            for other in self.nodes:
+                if other is not node and not self._pending_of(self.assigned_work.get(other, {})):
+                    self._reschedule(other)
+
+    return ModulesHeaviestFirst(config, log)
