@@ -5,8 +5,10 @@ loadscope``, tests/conftest.py). Most of a fleet test's time one core waits on t
 - a module is one work unit (its fleet is a module-scoped fixture), except the modules
   that make network namespaces: their hosts' addresses are fixed
   (testing/emulated_hosts.py, netns_host.py), so they share one unit;
-- two big fleets never run side by side: an SGLang fleet holds 3-6 servers of ~2 GB each,
-  and two of them (or one beside the vLLM serving fleet) filled a 24 GiB machine.
+- two big fleets never run side by side: an SGLang fleet holds 3-6 servers of ~2.4 GB
+  each (scheduler, tokenizer manager and detokenizer processes), and an SGLang fleet
+  beside another, or beside the data-parallel vLLM fleet, filled a 24 GiB machine (its
+  tests then failed on timeouts); one beside vLLM's TP 2 engines peaked at 21 GB.
 
 Within those, the heaviest unit goes first, so no long module is left alone at the end.
 """
@@ -18,7 +20,8 @@ import os
 NETNS_MODULES = {"test_decode_links.py", "test_demo.py", "test_partition.py", "test_three_hosts.py"}
 BIG_FLEETS = {"test_sglang_decode_radix.py", "test_sglang_mla.py", "test_sglang_pd.py",
               "test_sglang_replicated_heads.py", "test_sglang_swa.py", "test_sglang_tp.py",
-              "test_serving_load.py", "test_serving_restarts.py", "netns"}
+              "test_serving_load.py", "test_serving_restarts.py", "test_vllm_dp.py", "test_vllm_tp.py",
+              "netns"}
 # Each unit's seconds on a 2-core Xeon with AMX, run one after another: order only.
 with open(os.path.join(os.path.dirname(__file__), "module_seconds.json")) as _f:
     UNIT_SECONDS = json.load(_f)
