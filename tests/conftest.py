@@ -50,17 +50,6 @@ def pytest_xdist_make_scheduler(config, log):
     return make_scheduler(config, log)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _cpu_priority(request):
-    """On 2 workers the big fleets, one after another, are the suite's critical path: the
-    other modules (and what they start) run at a lower priority and take the CPU those
-    leave. Only as root (lowering a priority again needs it)."""
-    if os.environ.get("PYTEST_XDIST_WORKER") and os.geteuid() == 0:
-        from module_scheduler import BIG_FLEETS, LIGHT_NICE, work_unit
-        os.setpriority(os.PRIO_PROCESS, 0, 0 if work_unit(request.node.nodeid) in BIG_FLEETS else LIGHT_NICE)
-    yield
-
-
 def pytest_configure(config):
     config.addinivalue_line("markers", "alone: runs with no other test module beside it (`make test`)")
     # each worker's servers take ports from its own part of the range (serving/ports.py):

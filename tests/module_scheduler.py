@@ -22,9 +22,6 @@ BIG_FLEETS = {"test_sglang_decode_radix.py", "test_sglang_mla.py", "test_sglang_
               "test_sglang_replicated_heads.py", "test_sglang_swa.py", "test_sglang_tp.py",
               "test_serving_load.py", "test_serving_restarts.py", "test_vllm_dp.py", "test_vllm_tp.py",
               "netns"}
-# The other modules' priority beside a big fleet (tests/conftest.py): a big fleet ran 35%
-# slower beside them at the same priority.
-LIGHT_NICE = 5
 # Each unit's seconds on a 2-core Xeon with AMX, run one after another: order only.
 with open(os.path.join(os.path.dirname(__file__), "module_seconds.json")) as _f:
     UNIT_SECONDS = json.load(_f)
