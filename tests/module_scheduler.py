@@ -7,8 +7,8 @@ loadscope``, tests/conftest.py). Most of a fleet test's time one core waits on t
   (testing/emulated_hosts.py, netns_host.py), so they share one unit;
 - two big fleets never run side by side: an SGLang fleet holds 3-6 servers of ~2.4 GB
   each (scheduler, tokenizer manager and detokenizer processes), and an SGLang fleet
-  beside another, or beside the data-parallel vLLM fleet, filled a 24 GiB machine (its
-  tests then failed on timeouts); one beside vLLM's TP 2 engines peaked at 21 GB.
+  beside another, or beside the data-parallel vLLM fleet, filled a 24 GiB machine (both
+  ran twice as slow, and a test failed); one beside vLLM's TP 2 engines peaked at 21 GB.
 
 Within those, the heaviest unit goes first, so no long module is left alone at the end.
 """
