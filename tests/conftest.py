@@ -16,6 +16,9 @@ os.environ.setdefault("KVOPS_SIDE_CHANNEL_PORT", "0")
 
 import pytest  # noqa: E402
 
+# how `make test` spreads the modules over 2 workers, and which run alone
+from module_scheduler import ALONE_MODULES, make_scheduler, module_name  # noqa: E402
+
 FLEET_KEY = bytes(range(32)).hex().encode()  # a valid fleet key (64 hex characters)
 
 
@@ -28,17 +31,10 @@ def key_file(tmp_path):
     return str(path)
 
 
-# Modules that bound how fast something went (a link's rate, a request that must not wait
-# for another's): marked ``alone``, and `make test` runs them after the others, with no
-# module beside them on the 2 cores. The others run on 2 workers (module_scheduler.py).
-ALONE_MODULES = {"test_emulated_link.py", "test_slow_consumer.py", "test_slow_scatter.py",
-                 "test_transport_mooncake.py"}
-
-
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by the marks
 def pytest_collection_modifyitems(items):
     for item in items:
-        if os.path.basename(item.nodeid.split("::")[0]) in ALONE_MODULES:
+        if module_name(item.nodeid) in ALONE_MODULES:
             item.add_marker(pytest.mark.alone)
 
 
@@ -46,7 +42,6 @@ def pytest_collection_modifyitems(items):
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadscope":
         return None
-    from module_scheduler import make_scheduler
     return make_scheduler(config, log)
 
 

@@ -145,6 +145,7 @@ def test_ports_are_never_handed_out_twice_and_a_server_is_ready_only_on_its_own_
         assert "address already in use" in second.log_tail()
         assert first.healthy()
 
+
 def test_processes_given_parts_of_the_range_never_draw_the_same_port(monkeypatch):
     """The suite's two workers start fleets side by side (tests/conftest.py): each
     draws from its own part, so they cannot pick one port at the same moment."""
@@ -158,7 +159,6 @@ def test_processes_given_parts_of_the_range_never_draw_the_same_port(monkeypatch
         monkeypatch.setenv("KVOPS_PORT_PART", wrong)
         with pytest.raises(ValueError, match="expected i/n"):
             free_port()
-
 
 
 # A server like SGLang's: its HTTP server (uvicorn) fails at bind, logs it, and the
