@@ -6,6 +6,7 @@ machine has them): without them these tests fail, they are not skipped."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import pytest
 
 from torch_kvops.emulated_link import (EmulatedLink, LinkError, LinkSpec, _namespaces,
                                        remove_stale_namespaces)
+from torch_kvops.testing.netns_host import NetnsHost
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT)
@@ -183,6 +185,66 @@ def test_namespace_left_by_a_sigkilled_owner_is_removed_by_the_next_link():
         time.sleep(0.1)
     assert _gone(pid)
     assert remove_stale_namespaces() == []
+
+
+HOST_OWNER = r"""
+import time
+from torch_kvops.testing.netns_host import NetnsHost
+host = NetnsHost(index=int(__import__("sys").argv[1]))
+print(host.name, flush=True)
+time.sleep(300)
+"""
+
+ECHO_SERVER = r"""
+import socket, sys
+srv = socket.create_server((sys.argv[1], 0))
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+conn.sendall(b"inside")
+conn.close()
+"""
+
+
+def _answer_from_inside(host: NetnsHost) -> bytes:
+    """What a server inside ``host`` sends to a connection from this namespace."""
+    server = subprocess.Popen(["ip", "netns", "exec", host.name, sys.executable, "-c", ECHO_SERVER,
+                               host.address], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        with socket.create_connection((host.address, port), timeout=10) as sock:
+            sock.settimeout(10)
+            return sock.recv(64)
+    finally:
+        server.kill()
+        server.wait(30)
+
+
+def test_a_host_left_by_a_sigkilled_owner_does_not_take_the_next_hosts_traffic():
+    """A killed run's NetnsHost keeps its veth, and with it the gateway address: the
+    next host made at that index must sweep it, or connections to the new host are
+    routed to the dead one and refused (CI saw exactly that)."""
+    index = 9  # no test module uses it
+    owner = subprocess.Popen([sys.executable, "-c", HOST_OWNER, str(index)], stdout=subprocess.PIPE,
+                             text=True, env=ENV)
+    try:
+        stale = owner.stdout.readline().strip()
+    finally:
+        owner.kill()
+        owner.wait(30)
+    assert stale in _namespaces()  # SIGKILL cannot be caught
+    with NetnsHost(index=index) as host:
+        assert _answer_from_inside(host) == b"inside"
+        assert stale not in _namespaces()
+    assert host.name not in _namespaces()
+
+
+def test_a_second_live_host_at_one_index_is_refused_and_the_first_keeps_working():
+    with NetnsHost(index=9) as first:
+        with pytest.raises(LinkError, match="198.18.209.1 is already on interface"):
+            NetnsHost(index=9)
+        assert first.name in _namespaces()
+        assert _answer_from_inside(first) == b"inside"
+    assert first.name not in _namespaces()
 
 
 @pytest.mark.parametrize("script, lacking", [

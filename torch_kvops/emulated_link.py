@@ -42,6 +42,9 @@ ENV_NAME = "KVOPS_LINK_NS"  # set for processes started inside the namespace
 ENV_SPEC = "KVOPS_LINK_SPEC"
 NAME_PREFIX = "kvops-link-"
 _NAME = re.compile(rf"^{NAME_PREFIX}(\d+)-[0-9a-f]+$")
+# Every namespace this project makes is named kvops-<kind>-<creator pid>[-<tag>]: links
+# here, hosts and switches in testing/ (netns_host.py, emulated_hosts.py).
+_OWNED_NAME = re.compile(r"^kvops-(?:link|host|switch)-(\d+)(?:-.+)?$")
 _RATE_UNITS = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
 _DELAY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 _CMD_TIMEOUT_S = 20.0  # every ip/tc call is bounded
@@ -201,11 +204,13 @@ def remove_namespace(name: str) -> None:
 
 
 def remove_stale_namespaces() -> List[str]:
-    """Delete the namespaces of earlier links whose creating process is gone (it was
-    SIGKILLed); returns their names."""
+    """Delete this project's namespaces (links, emulated hosts and switches) whose
+    creating process is gone (it was SIGKILLed, so it could not clean up); returns their
+    names. A stale host's veth keeps its 198.18 address in this namespace, and would
+    take the traffic meant for the next host made at that address."""
     removed = []
     for name in _namespaces():
-        match = _NAME.match(name)
+        match = _OWNED_NAME.match(name)
         if match and not _pid_alive(int(match.group(1))):
             remove_namespace(name)
             removed.append(name)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Sequence
 
-from ..emulated_link import check_prerequisites, remove_namespace, run_tool
+from ..emulated_link import (check_prerequisites, remove_namespace, remove_stale_namespaces,
+                             run_tool)
 
 __all__ = ["EmulatedHosts"]
 
@@ -29,6 +30,7 @@ class EmulatedHosts:
         if not 1 <= len(names) <= 50 or len(set(names)) != len(names):
             raise ValueError("1 to 50 distinct host names")
         check_prerequisites()  # root and ip: a clear error, never a fallback
+        remove_stale_namespaces()  # a killed run's hosts and switch
         tag = f"{os.getpid()}"
         self._switch = f"kvops-switch-{tag}"
         self._hosts: Dict[str, str] = {name: f"kvops-host-{tag}-{name}" for name in names}

@@ -16,7 +16,10 @@ from __future__ import annotations
 import ctypes
 import os
 
-from ..emulated_link import check_prerequisites, remove_namespace, run_tool
+from typing import Optional
+
+from ..emulated_link import (LinkError, check_prerequisites, remove_namespace,
+                             remove_stale_namespaces, run_tool)
 
 _CLONE_NEWNET = 0x40000000
 _DROP_ALL = ["tbf", "rate", "8bit", "burst", "1", "limit", "1"]
@@ -34,6 +37,11 @@ class NetnsHost:
         net = f"198.18.{200 + index}"
         self.address, self.gateway = f"{net}.2", f"{net}.1"
         check_prerequisites()  # root, ip and tc: a clear error, never a fallback
+        remove_stale_namespaces()  # a killed run's host would hold this address
+        holder = _interface_with(self.gateway)
+        if holder is not None:
+            raise LinkError(f"{self.gateway} is already on interface {holder}: another live "
+                            f"NetnsHost(index={index}) (its traffic would go there)")
         run_tool(["ip", "netns", "add", self.name])
         try:
             run_tool(["ip", "link", "add", self._outside, "type", "veth", "peer", "name", "eth0", "netns", self.name])
@@ -76,6 +84,15 @@ class NetnsHost:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _interface_with(address: str) -> Optional[str]:
+    """The interface of this namespace that holds IPv4 ``address``, if any."""
+    for line in run_tool(["ip", "-br", "-4", "addr", "show"]).stdout.splitlines():
+        name, _state, *addresses = line.split()
+        if any(a.split("/")[0] == address for a in addresses):
+            return name.split("@")[0]
+    return None
 
 
 def enter(name: str) -> None:
