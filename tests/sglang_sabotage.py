@@ -142,6 +142,8 @@ def install() -> None:
             return 0, None
         if "drop_layer0" in modes() and layer == 0:  # the keys of layer 0 (sliding in the SWA model)
             return 0, None
+        if "drop_window" in modes() and self.layout.layers[layer].id_base:  # a hybrid pool's windows
+            return 0, None
         return write_layer(self, layer, *args, **kwargs)
 
     PeerLink.write_layer = sabotaged_write_layer

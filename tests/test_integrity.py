@@ -123,7 +123,7 @@ def test_a_digest_made_without_the_key_is_refused_by_mac_only(monkeypatch, mode)
     """The producer digests the bytes it really pushes, but keyed with a guess instead of
     the consumer's secret: what a writer that knows the data and not the key can do."""
     monkeypatch.setattr(producer_module, "make_digester",
-                        lambda m, caches, secret: make_digester(m, caches, "a guessed secret"))
+                        lambda m, caches, secret, **kw: make_digester(m, caches, "a guessed secret", **kw))
     finished, failed, stats, right = run("direct", None, consumer_check=mode, producer_check=mode)
     if mode == "mac":
         assert failed == {"r"} and not finished and stats["integrity_failures"] == 1

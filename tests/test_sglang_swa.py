@@ -3,19 +3,21 @@ servers behind sglang-router (P/D mode), against a monolithic SGLang server, wit
 test Mellum (torch_kvops/testing/swa_model.py: layers alternate a 64-token sliding
 window and full attention; prompts of 50-800 tokens).
 
-SGLang gives such a model a hybrid pool: full layers in one pool, sliding layers'
-last window in another, smaller one (a state pool, ``StateType.SWA``). The backend
-does not move that pool yet and refuses it at start-up, naming the flag that moves the
-model: ``--disable-hybrid-swa-memory`` puts every layer in the one KV pool (a sliding
-layer keeps every token, its attention still masked to the window), so P pushes each
-layer's pages as its forward writes them, as for any MHA model.
+SGLang gives such a model a hybrid pool by default: full layers in one pool, sliding
+layers' last window in another, smaller one (a state pool, ``StateType.SWA``). The
+backend moves it (swa_pool.py): the full layers' pages in the forward, each room's
+window after it, as a transfer of its own (P-hybrid, D-hybrid). With
+``--disable-hybrid-swa-memory`` every layer is in the one KV pool (a sliding layer
+keeps every token, its attention still masked to the window), so P pushes each
+layer's pages as its forward writes them, of a sliding layer its window's only.
 
-P (chunks of 256 tokens), D and the monolithic reference run with the flag, and the
-reference's answers equal Hugging Face ``transformers``' own Mellum (greedy). SGLang's
-hybrid pool is no reference on CPU: its ``torch_native`` attention writes a sliding
-layer's KV at the window pool's slots but reads it at the full pool's (0.5.23,
-``_run_sdpa_forward_extend``), and 9 of 12 answers differ from transformers' (checked
-by hand). The fleet key and D's ``mac`` integrity check.
+P (chunks of 256 tokens), D and the monolithic reference run with that flag, and the
+reference's answers equal Hugging Face ``transformers``' own Mellum (greedy). The
+hybrid pair runs a test-only stand-in (tests/sglang_standin/cpu_swa_reads.py): SGLang
+0.5.23's ``torch_native`` attention writes a sliding layer's KV at the window pool's
+slots but reads it at the full pool's, and 11 of 12 answers of a monolithic server
+differ from transformers' without it (0 of 12 with it, by hand). The fleet key and
+D's ``mac`` integrity check.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import pytest
 from torch_kvops.serving import prometheus
 from torch_kvops.serving.model import random_prompt
 from torch_kvops.testing.swa_model import swa_model_config
-from torch_kvops.serving.servers import ServerError, Servers
+from torch_kvops.serving.servers import Servers
 from torch_kvops.serving.sglang import SglangRouterSpec, SglangServerSpec, sglang_python
 
 from serving_fleet import workspace
@@ -58,9 +60,15 @@ def fleet():
             d = servers.add(SglangServerSpec("D", model, role="decode", extra_args=ONE_POOL, **same))
             servers.add(SglangServerSpec("ref", model, role="monolithic", extra_args=ONE_POOL, **same))
             servers.add(SglangRouterSpec("router", [p], [d], extra_args=ROUTER_CHECKS))
-            # started by their tests only: a prefill server with SGLang's hybrid pool; a
-            # decode server with its radix cache, behind a router of its own
-            servers.add(SglangServerSpec("P-hybrid", model, role="prefill", **same))
+            # started by their tests only: a prefill and a decode server with SGLang's
+            # hybrid pool, behind a router of their own; a decode server with its radix
+            # cache, behind a router of its own
+            hybrid = dict(same, env=dict(same["env"], **serving_env(os.path.join(tmp, "plugin-hybrid"),
+                                                                    "cpu_swa_reads")))
+            p_hybrid = servers.add(SglangServerSpec("P-hybrid", model, role="prefill", extra_args=[
+                "--chunked-prefill-size", str(CHUNK)], **hybrid))
+            d_hybrid = servers.add(SglangServerSpec("D-hybrid", model, role="decode", **hybrid))
+            servers.add(SglangRouterSpec("router-hybrid", [p_hybrid], [d_hybrid], extra_args=ROUTER_CHECKS))
             d_radix = servers.add(SglangServerSpec("D-radix", model, role="decode",
                                                    extra_args=ONE_POOL + [DECODE_RADIX], **same))
             servers.add(SglangRouterSpec("router-radix", [p], [d_radix], extra_args=ROUTER_CHECKS))
@@ -177,15 +185,41 @@ def test_negative_control_a_missing_full_or_sliding_layer_changes_the_answers(fl
     assert _differ(fleet, seed=44, n=4)[0] == []  # and the fleet is whole again
 
 
-def test_a_prefill_server_with_the_hybrid_pool_fails_at_start_up_naming_the_flag(fleet):
-    """Without ``--disable-hybrid-swa-memory`` the backend refuses the model before a
-    room exists (never a transfer that leaves the sliding layers' pool behind)."""
-    servers = fleet[0]
-    with pytest.raises(ServerError, match="exited"):
-        servers.start(["P-hybrid"], 300)
-    log = open(servers["P-hybrid"].log_path).read()
-    assert "does not support state pools ['swa'] (a sliding-window model moves with " \
-           "--disable-hybrid-swa-memory on every server of the fleet)" in log, log[-3000:]
+def test_the_hybrid_pool_moves_full_pages_in_the_forward_and_each_window_after_it(fleet):
+    """SGLang's hybrid pool on P and D (its default for this model): 8 prompts at once,
+    every answer equal to the reference's, no room failed, D computed no prompt token,
+    every chunk of the full layers left in its forward and each room's window after
+    it. Negative control, in the suite: the windows' bytes dropped (``drop_window``),
+    D's checks off: the answers differ; the fleet answers right again and every page
+    comes back on both sides."""
+    servers, model, sabotage = fleet
+    servers.start(["P-hybrid", "D-hybrid"], 600)
+    servers.start(["router-hybrid"], 600)
+    try:
+        for name in ("P-hybrid", "D-hybrid"):
+            with open(servers[name].log_path) as f:
+                assert "a hybrid pool's 4 sliding buffers" in f.read()
+        router_serves_again(servers, model, router="router-hybrid")
+        n = 8
+        assert _differ(fleet, seed=53, n=n, router="router-hybrid")[0] == []
+        p, d = (prometheus.fetch(servers[name].url) for name in ("P-hybrid", "D-hybrid"))
+        assert count(p, "rooms", label="success") >= n and count(d, "rooms", label="success") >= n
+        assert not any(count(s, "rooms", label="failed") for s in (p, d))
+        prefilled = [prometheus.total(s, "sglang:prefill_effective_tokens_total", mode="input") for s in (p, d)]
+        assert prefilled[1] == 0 and prefilled[0] > 0, prefilled
+        assert count(p, "chunks", label="after_forward") == 0
+        assert count(p, "chunks", label="forward") > n and count(p, "chunks", label="window") >= n
+        print(f"\n[sglang swa hybrid] {count(p, 'chunks', label='forward'):.0f} chunks pushed in forwards, "
+              f"{count(p, 'chunks', label='window'):.0f} windows after them, "
+              f"{count(p, 'pushed_bytes'):.0f} bytes")
+        differ = sabotage_changes_the_answers(sabotage, ("drop_window", "unverified", "unchecked"),
+                                              lambda: _differ(fleet, 54, router="router-hybrid"))
+        print(f"[sglang swa hybrid] windows dropped: {len(differ)} of 8 answers differ")
+        assert _differ(fleet, seed=55, n=4, router="router-hybrid")[0] == []  # and whole again
+        pages_come_back(servers, ["P-hybrid", "D-hybrid"])
+    finally:  # their health checks would load the machine for the rest of the module
+        for name in ("router-hybrid", "P-hybrid", "D-hybrid"):
+            servers[name].stop()
 
 
 def _shared_starts(fleet, seed: int, n: int = 6) -> List[int]:

@@ -25,6 +25,7 @@ from torch_kvops.integrations.sglang.signing import MessageSigner, SignedAborts
 from torch_kvops.heads import rank_heads
 from torch_kvops.integrations.sglang.heads import RankHeads, destination_ranks
 from torch_kvops.integrations.sglang.support import check_supported, tp_problem
+from torch_kvops.integrations.sglang.swa_pool import window_ids_frame, window_pages
 from torch_kvops.integrations.sglang.transfers import Destination, destination, room_of, transfer_id
 
 from conftest import FLEET_KEY as KEY  # key_file (the fixture) holds it
@@ -45,11 +46,16 @@ def test_what_the_backend_does_not_move_yet_is_refused_at_start_up():
     with pytest.raises(NotImplementedError, match=r"^the kvops SGLang backend does not support "
                        r"state pools \['mamba'\] yet$"):
         check_supported(NS(state_types=["mamba"]), NS(device="cpu"))
-    # SGLang's hybrid sliding-window pool: the error names the flag that moves the model
-    with pytest.raises(NotImplementedError, match=r"^the kvops SGLang backend does not support "
-                       r"state pools \['swa'\] \(a sliding-window model moves with "
-                       r"--disable-hybrid-swa-memory on every server of the fleet\) yet$"):
-        check_supported(NS(state_types=[NS(value="swa")]), NS(device="cpu"))
+    # SGLang's hybrid sliding-window pool moves by page (swa_pool.py); otherwise the error
+    # names the flag that moves the model in one pool
+    check_supported(NS(state_types=[NS(value="swa")]), NS(device="cpu"))
+    for unit, latent, what in (("head", False, "with mha_unit 'head'"), ("page", True, "of MLA")):
+        with pytest.raises(NotImplementedError, match=r"^the kvops SGLang backend does not support a "
+                           rf"hybrid sliding-window pool {what} \(moved by page only; or "
+                           r"--disable-hybrid-swa-memory on every server of the fleet\) yet$"):
+            check_supported(NS(state_types=[NS(value="swa")]), NS(device="cpu"), unit, latent)
+    with pytest.raises(NotImplementedError, match=r"state pools \['mamba'\] yet$"):
+        check_supported(NS(state_types=["swa", "mamba"]), NS(device="cpu"))
     with pytest.raises(NotImplementedError, match="^the kvops SGLang backend does not support "
                        "pipeline parallelism, data-parallel attention yet$"):
         check_supported(NS(), NS(device="cpu", tp_size=2, pp_size=2, attn_dp_size=2))
@@ -526,3 +532,32 @@ def test_no_two_sends_to_one_endpoint_overlap_the_sockets_lookup_included():
     for t in threads:
         t.join()
     assert most == {"tcp://a": 1, "tcp://b": 1}
+
+
+def test_a_hybrid_pools_window_is_a_transfer_of_its_own_into_the_window_pages_only():
+    """The decode rank's window ids (past its full pool's) go in its destination; the
+    prefill's window request names the same count, moves none of it in the full
+    layers' buffers, and a window of another length fails the room (ValueError)."""
+    kv_args = NS(state_types=[NS(value="swa")])
+    window = window_pages(kv_args, [np.array([3, 4])], base=100)
+    assert window.tolist() == [103, 104] and window_pages(NS(state_types=[]), [np.array([3])], 100) is None
+    assert window_pages(kv_args, None, 100) is None
+    frame = window_ids_frame(window)
+    dest = destination(None, None, "peer", "tcp://d", np.array([5, 6, 7]), 0, "d0",
+                       window=np.frombuffer(frame, dtype=np.int64), sliding=range(4, 6))
+    assert dest.transfers(9) == ["9@d0", "9@d0/window"]
+    request = dest.window_request(9, [40, 41])
+    assert (request.req_id, request.src_blocks, request.dst_blocks) == ("9@d0/window", [40, 41], [103, 104])
+    assert request.layer_first_block == {0: 2, 1: 2, 2: 2, 3: 2} and request.last_chunk
+    # the room's pages: the sliding buffers (4 and 5) move none of them
+    pages = dest.request(9, [1, 2], slice(0, 2), last=False)
+    assert pages.dst_blocks == [5, 6] and pages.layer_first_block == {4: 2, 5: 2}
+    with pytest.raises(ValueError, match="window of room 9 is 3 pages, decode rank d0's 2"):
+        dest.window_request(9, [40, 41, 42])
+    plain = destination(None, None, "peer", "tcp://d", np.array([5]), 0, "d0")
+    assert plain.transfers(9) == ["9@d0"] and plain.window_request(9, [40]) is None
+    assert plain.request(9, [1], slice(0, 1), last=True).layer_first_block is None
+    heads = RankHeads(2, 1, 0, 16)
+    with pytest.raises(ValueError, match="moved by page only"):
+        destination(heads, {"total": 2, "tp_size": 1, "rank": 0}, "peer", "tcp://d", np.array([5]), 0,
+                    "d0", window=window)

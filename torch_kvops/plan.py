@@ -23,7 +23,10 @@ class TransferRequest:
 
     ``layer_first_block`` (layer -> k): that layer moves only ``src_blocks[k:]``, the
     blocks before them are not moved for it (a sliding-window layer's blocks before its
-    window, which the consumer never reads); layers not named move every block.
+    window, which the consumer never reads); layers not named move every block. With
+    block spaces (``KVLayout.of``), ids are global and each layer must move ids of its
+    own space only: a request for one space names every other space's layers with
+    k = the number of its blocks (they move none).
     """
 
     req_id: str
@@ -40,16 +43,19 @@ class TransferRequest:
 
 @dataclass(frozen=True)
 class LayerLayout:
-    """Where one layer's blocks live: base address, block count, stride, block size."""
+    """Where one layer's blocks live: base address, block count, stride, block size,
+    and the id of its block 0 (``id_base``: 0 unless the caches have several block
+    spaces, see :meth:`KVLayout.of`)."""
 
     base: int
     num_blocks: int
     block_stride: int  # bytes between consecutive blocks
     block_bytes: int  # bytes in one block (contiguous)
     dtype: str
+    id_base: int = 0  # block id k of this layer is its block k - id_base
 
     @staticmethod
-    def of(cache: torch.Tensor) -> "LayerLayout":
+    def of(cache: torch.Tensor, id_base: int = 0) -> "LayerLayout":
         if cache.dim() < 1 or cache.size(0) == 0:
             raise ValueError(f"a KV cache needs blocks along dim 0, got shape {tuple(cache.shape)}")
         block = cache[0]
@@ -59,11 +65,16 @@ class LayerLayout:
         return LayerLayout(base=cache.data_ptr(), num_blocks=cache.size(0),
                            block_stride=cache.stride(0) * cache.element_size(),
                            block_bytes=block.numel() * cache.element_size(),
-                           dtype=str(cache.dtype).replace("torch.", ""))
+                           dtype=str(cache.dtype).replace("torch.", ""), id_base=id_base)
 
     def span(self) -> Tuple[int, int]:
         """(address, length) of the memory to register for this layer."""
         return self.base, (self.num_blocks - 1) * self.block_stride + self.block_bytes
+
+    def holds(self, blocks: np.ndarray) -> bool:
+        """Whether every id of ``blocks`` names a block of this layer."""
+        return not blocks.size or bool(blocks.min() >= self.id_base
+                                       and blocks.max() < self.id_base + self.num_blocks)
 
 
 @dataclass(frozen=True)
@@ -71,10 +82,45 @@ class KVLayout:
     layers: Tuple[LayerLayout, ...]
 
     @staticmethod
-    def of(caches: Sequence[torch.Tensor]) -> "KVLayout":
+    def of(caches: Sequence[torch.Tensor], spaces: Optional[Sequence[int]] = None) -> "KVLayout":
+        """The layout of ``caches``. ``spaces`` (one per layer, numbered from 0 in
+        order) puts layers whose blocks are allocated apart (a hybrid pool's sliding
+        layers, whose pages are not the full layers' pages) in block spaces of their
+        own: a request names global ids, space 0's from 0, each next space's from
+        past the last id of the one before, and each layer moves the ids of its space."""
         if len(caches) == 0:
             raise ValueError("register_kv_caches needs at least one layer")
-        return KVLayout(tuple(LayerLayout.of(c) for c in caches))
+        bases = [0] * len(caches)
+        if spaces is not None:
+            spaces = list(spaces)
+            if len(spaces) != len(caches) or any(type(s) is not int for s in spaces):
+                raise ValueError(f"spaces: one int per layer ({len(caches)} layers), got {spaces!r}")
+            if sorted(set(spaces)) != list(range(len(set(spaces)))):
+                raise ValueError(f"spaces must be numbered 0, 1, ... without gaps, got {sorted(set(spaces))}")
+            sizes = [max(c.size(0) for c, s in zip(caches, spaces) if s == space)
+                     for space in range(len(set(spaces)))]
+            bases = [sum(sizes[:space]) for space in spaces]
+        return KVLayout(tuple(LayerLayout.of(c, base) for c, base in zip(caches, bases)))
+
+    @property
+    def spaced(self) -> bool:
+        """Whether the layers have more than one block space."""
+        return any(layer.id_base for layer in self.layers)
+
+    @property
+    def id_bases(self) -> List[int]:
+        return [layer.id_base for layer in self.layers]
+
+    @property
+    def spaces(self) -> List[int]:
+        """Each layer's block space, numbered from 0."""
+        bases = sorted(set(self.id_bases))
+        return [bases.index(base) for base in self.id_bases]
+
+    @property
+    def num_ids(self) -> int:
+        """Block ids run from 0 to this, over every space."""
+        return max(layer.id_base + layer.num_blocks for layer in self.layers)
 
     def to_json(self) -> List[dict]:
         return [layer.__dict__.copy() for layer in self.layers]
@@ -92,6 +138,9 @@ class KVLayout:
                 raise ValueError(
                     f"layer {i}: peer blocks are {theirs.block_bytes} bytes of {theirs.dtype}, "
                     f"this side's are {mine.block_bytes} bytes of {mine.dtype}")
+        if self.spaces != peer.spaces:
+            raise ValueError("the peer's layers are not in the same block spaces as this side's "
+                             f"(first ids: peer {peer.id_bases}, this side {self.id_bases})")
 
 
 @dataclass
@@ -127,14 +176,15 @@ def validate_step(requests: Sequence[TransferRequest], local: KVLayout,
     if len(set(ids)) != len(ids):
         twice = next(r for r in ids if ids.count(r) > 1)
         raise ValueError(f"request {twice!r} appears twice in one step")
-    local_blocks = min(layer.num_blocks for layer in local.layers)
     for req in requests:
         if in_flight.get(req.req_id, req.peer) != req.peer:
             raise ValueError(f"request {req.req_id!r} is in flight to peer {in_flight[req.req_id]!r}, "
                              f"not {req.peer!r}")
         try:
-            src, dst = _checked_blocks(req, local_blocks, peers)
+            src, dst = _checked_blocks(req, local, peers)
             _check_first_blocks(req, src.size, len(local.layers))
+            if local.spaced:
+                _check_spaces(req, src, dst, local, peers[req.peer])
         except ValueError as exc:
             if not partial:
                 raise
@@ -164,7 +214,7 @@ def validate_step(requests: Sequence[TransferRequest], local: KVLayout,
     return plan
 
 
-def _checked_blocks(req: TransferRequest, local_blocks: int,
+def _checked_blocks(req: TransferRequest, local: KVLayout,
                     peers: Dict[str, KVLayout]) -> Tuple[np.ndarray, np.ndarray]:
     """One request's (src, dst) block ids, or ValueError."""
     if req.peer not in peers:
@@ -174,10 +224,35 @@ def _checked_blocks(req: TransferRequest, local_blocks: int,
     if src.shape != dst.shape:
         raise ValueError(f"request {req.req_id!r}: {src.size} source blocks but "
                          f"{dst.size} destination blocks")
-    peer_blocks = min(layer.num_blocks for layer in peers[req.peer].layers)
-    _check_range(req.req_id, "source", src, local_blocks, "locally")
-    _check_range(req.req_id, "destination", dst, peer_blocks, f"on peer {req.peer!r}")
+    # one space: every layer holds the ids below its smallest block count; several: the
+    # ids of all spaces, each layer's checked by _check_spaces
+    limits = [layout.num_ids if layout.spaced else min(layer.num_blocks for layer in layout.layers)
+              for layout in (local, peers[req.peer])]
+    _check_range(req.req_id, "source", src, limits[0], "locally")
+    _check_range(req.req_id, "destination", dst, limits[1], f"on peer {req.peer!r}")
     return src, dst
+
+
+def _check_spaces(req: TransferRequest, src: np.ndarray, dst: np.ndarray, local: KVLayout,
+                  peer: KVLayout) -> None:
+    """With block spaces: the ids each layer moves (from its first block on) are ids
+    of that layer's space, on both sides."""
+    checked = set()
+    for i, (mine, theirs) in enumerate(zip(local.layers, peer.layers)):
+        first = req.first_block(i)
+        key = (first, mine.id_base, mine.num_blocks, theirs.id_base, theirs.num_blocks)
+        if key in checked:
+            continue
+        checked.add(key)
+        for side, blocks, layer, where in (("source", src, mine, "locally"),
+                                           ("destination", dst, theirs, f"on peer {req.peer!r}")):
+            if not layer.holds(blocks[first:]):
+                bad = next(int(b) for b in blocks[first:]
+                           if not layer.id_base <= b < layer.id_base + layer.num_blocks)
+                raise ValueError(f"request {req.req_id!r}: {side} block {bad} is not a block of layer "
+                                 f"{i} {where} (its ids: {layer.id_base} to "
+                                 f"{layer.id_base + layer.num_blocks - 1}; name it from that "
+                                 "layer's first block on, layer_first_block)")
 
 
 def _check_first_blocks(req: TransferRequest, num_blocks: int, num_layers: int) -> None:
@@ -223,8 +298,8 @@ def layer_descriptors(local: LayerLayout, peer: LayerLayout, src_blocks: np.ndar
     if src_blocks.size == 0:
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
-    src = local.base + src_blocks * local.block_stride
-    dst = peer.base + dst_blocks * peer.block_stride
+    src = local.base + (src_blocks - local.id_base) * local.block_stride
+    dst = peer.base + (dst_blocks - peer.id_base) * peer.block_stride
     return merge_runs(src, dst, np.full(src.shape, local.block_bytes, dtype=np.int64))
 
 

@@ -28,6 +28,7 @@ from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tup
 import torch
 
 from ..control import ControlServer, Session, new_secret
+from ..plan import KVLayout
 from ..staging import ConsumerStaging
 from ..tls import TlsFiles
 from ..transports.base import Transport
@@ -79,7 +80,8 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity, BeginAdmission, ConsumerSca
 
     def __init__(self, caches: Sequence[torch.Tensor], transport: Transport, config: ConnectorConfig,
                  ledger: RequestLedger, stats: ConnectorStats, control_host: str,
-                 can_stage: bool, secret: Optional[str] = None, tls: Optional[TlsFiles] = None) -> None:
+                 can_stage: bool, secret: Optional[str] = None, tls: Optional[TlsFiles] = None,
+                 layout: Optional[KVLayout] = None) -> None:
         self._config = config
         self._ledger = ledger
         self._stats = stats
@@ -87,7 +89,10 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity, BeginAdmission, ConsumerSca
         self._held_begins: List[Tuple[float, float, dict, Session]] = []  # consumer_admission.py
         # Per session: destination block -> the owned in-flight request naming it.
         self._owned_blocks: Dict[Session, Dict[int, str]] = {}
-        self._num_blocks = min(c.size(0) for c in caches)
+        layout = layout or KVLayout.of(caches)
+        # block ids as producers name them: with block spaces, global (plan.KVLayout.of)
+        self._num_blocks = layout.num_ids if layout.spaced else min(c.size(0) for c in caches)
+        self._id_bases = layout.id_bases
         self._staging: Optional[ConsumerStaging] = None
         if can_stage:
             self._staging = ConsumerStaging(caches, transport, config.staging_slot_bytes,

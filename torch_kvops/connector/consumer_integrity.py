@@ -36,6 +36,7 @@ class ConsumerIntegrity:
     _stats: ConnectorStats
     _caches: "list[torch.Tensor]"
     _secret: str
+    _id_bases: "list[int]"
     _incoming: "Dict[str, _Incoming]"
     _digesters: Dict[str, BlockDigester]
     _verifier: Optional[Verifier]
@@ -114,7 +115,7 @@ class ConsumerIntegrity:
 
     def _digester(self, mode: str) -> BlockDigester:
         if mode not in self._digesters:
-            self._digesters[mode] = make_digester(mode, self._caches, self._secret)
+            self._digesters[mode] = make_digester(mode, self._caches, self._secret, id_bases=self._id_bases)
         return self._digesters[mode]
 
     def _chunk_digested(self, entry: _Incoming, message: dict) -> Optional[str]:

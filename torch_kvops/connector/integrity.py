@@ -59,13 +59,15 @@ def _check_host(caches: Sequence[torch.Tensor]) -> None:
 
 class BlockDigester:
     """Per-block, per-layer digests over the caches of one side (one tensor per layer,
-    dim 0 = block, each block contiguous)."""
+    dim 0 = block, each block contiguous). ``id_bases``: per layer, the id of its block
+    0 (block spaces, ``KVLayout.of``); ids are global, as requests name them."""
 
     mode = "off"
 
-    def __init__(self, caches: Sequence[torch.Tensor]) -> None:
+    def __init__(self, caches: Sequence[torch.Tensor], id_bases: Optional[Sequence[int]] = None) -> None:
         _check_host(caches)
         self._caches = list(caches)
+        self._id_bases = list(id_bases) if id_bases is not None and any(id_bases) else None
 
     @property
     def num_layers(self) -> int:
@@ -73,6 +75,12 @@ class BlockDigester:
 
     def layer_digests(self, layer: int, blocks: np.ndarray) -> bytes:
         """``DIGEST_BYTES`` per block of ``layer``, concatenated in the order given."""
+        if self._id_bases is not None:
+            blocks = np.asarray(blocks, dtype=np.int64) - self._id_bases[layer]
+        return self._digests(layer, blocks)
+
+    def _digests(self, layer: int, blocks: np.ndarray) -> bytes:
+        """As ``layer_digests``, of the layer's own block indices."""
         raise NotImplementedError
 
 
@@ -81,7 +89,7 @@ class ChecksumDigester(BlockDigester):
 
     mode = "checksum"
 
-    def layer_digests(self, layer: int, blocks: np.ndarray) -> bytes:
+    def _digests(self, layer: int, blocks: np.ndarray) -> bytes:
         ids = torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.int64))
         return torch.ops.kvops.block_digests(self._caches[layer], ids, layer).numpy().tobytes()
 
@@ -92,8 +100,9 @@ class MacDigester(BlockDigester):
 
     mode = "mac"
 
-    def __init__(self, caches: Sequence[torch.Tensor], key: bytes) -> None:
-        super().__init__(caches)
+    def __init__(self, caches: Sequence[torch.Tensor], key: bytes,
+                 id_bases: Optional[Sequence[int]] = None) -> None:
+        super().__init__(caches, id_bases)
         try:
             import blake3  # a dependency of the "mac" mode only
         except ImportError as exc:
@@ -113,16 +122,18 @@ class MacDigester(BlockDigester):
             return flat[block]
         return self._caches[layer][block].contiguous().view(torch.uint8).numpy()
 
-    def layer_digests(self, layer: int, blocks: np.ndarray) -> bytes:
+    def _digests(self, layer: int, blocks: np.ndarray) -> bytes:
         key, h = self._layer_keys[layer], self._blake3
         return b"".join(h(self._block(layer, int(b)), key=key).digest(DIGEST_BYTES) for b in blocks)
 
 
-def make_digester(mode: str, caches: Sequence[torch.Tensor], secret: str) -> Optional[BlockDigester]:
-    """The digester of ``mode`` over ``caches`` (None for "off"); ``secret`` keys "mac"."""
+def make_digester(mode: str, caches: Sequence[torch.Tensor], secret: str,
+                  id_bases: Optional[Sequence[int]] = None) -> Optional[BlockDigester]:
+    """The digester of ``mode`` over ``caches`` (None for "off"); ``secret`` keys "mac";
+    ``id_bases`` as ``BlockDigester``'s."""
     mode = integrity_mode(mode)
     if mode == "checksum":
-        return ChecksumDigester(caches)
+        return ChecksumDigester(caches, id_bases)
     if mode == "mac":
-        return MacDigester(caches, integrity_key(secret))
+        return MacDigester(caches, integrity_key(secret), id_bases)
     return None

@@ -63,8 +63,11 @@ class LayerwiseConnector:
 
     # ------------------------------------------------------------------ set-up
 
-    def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        """Register one cache tensor per layer (dim 0 = block) with the transport."""
+    def register_kv_caches(self, kv_caches: Sequence[torch.Tensor],
+                           spaces: Optional[Sequence[int]] = None) -> None:
+        """Register one cache tensor per layer (dim 0 = block) with the transport.
+        ``spaces``: per layer, its block space, where layers' blocks are allocated
+        apart (plan.KVLayout.of: requests then name global block ids)."""
         if self._layout is not None:
             raise RuntimeError("register_kv_caches was already called")
         devices = {c.device for c in kv_caches}
@@ -87,8 +90,13 @@ class LayerwiseConnector:
             raise ValueError(f"transport {self.transport.name!r} cannot move {device.type} memory "
                              "(for direct device reads install the CUDA build of Mooncake, "
                              "mooncake-transfer-engine)")
+        layout = KVLayout.of(caches, spaces)
+        if layout.spaced and self._device_staged:
+            raise ValueError("block spaces need caches the transport reads directly (host caches, "
+                             "or ConnectorConfig(direct_device_reads=True)): staging slots "
+                             "are not built for them")
         self._caches = caches
-        self._layout = KVLayout.of(caches)
+        self._layout = layout
         self._stats = ConnectorStats(len(caches))
         self._ledger = RequestLedger(self._stats)
         if not self._device_staged:
@@ -106,7 +114,7 @@ class LayerwiseConnector:
                                       self._stats, self._control_host, self._can_stage(),
                                       secret=(derived_secret(self._fleet_key, self.engine_id)
                                               if self._fleet_key is not None else None),
-                                      tls=self._control_tls)
+                                      tls=self._control_tls, layout=self._layout)
         log.info("%s %s registered %d KV layers", self.role, self.engine_id, len(self._caches))
 
     def _can_stage(self) -> bool:
@@ -116,7 +124,7 @@ class LayerwiseConnector:
         NPU gather would need its own stream: NPU caches are moved directly.)"""
         if self._device_staged:
             return True  # uniform blocks: checked by register_kv_caches
-        return (self._caches[0].device.type == "cpu" and self.config.staging_threshold_bytes > 0
+        return (not self._layout.spaced and self._caches[0].device.type == "cpu" and self.config.staging_threshold_bytes > 0
                 and uniform_block(self._caches) is not None)
 
     def peer_info(self) -> dict:
@@ -134,6 +142,11 @@ class LayerwiseConnector:
         else:
             info["secret"] = self._side.secret
         return info
+
+    def block_id_base(self, layer: int) -> int:
+        """The id requests name ``layer``'s block 0 by (0 without block spaces)."""
+        self._require(self.role, registered=True)
+        return self._layout.layers[layer].id_base
 
     def add_peer(self, info: dict) -> str:
         """Producer: validate a consumer's layout against ours, connect its control

@@ -138,7 +138,7 @@ class ProducerSide(StepSender):
         mode = stronger_mode(self._config.integrity_mode, welcome.get("integrity") or "off")
         if mode != "off":
             try:
-                peer.digester = make_digester(mode, self._caches, secret)
+                peer.digester = make_digester(mode, self._caches, secret, id_bases=self._layout.id_bases)
             except ValueError:
                 peer.close()
                 raise

@@ -95,7 +95,7 @@ def _slow_scatters(seconds: float, control) -> None:
 
 def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, transport_kwargs,
                   device="cpu", fleet_key=None, control_tls=None, hostile=None, netns=None,
-                  slow_scatter=None):
+                  slow_scatter=None, spaces=None):
     try:
         host = "127.0.0.1"
         if netns is not None:  # another host (netns_host.py): before any socket or thread
@@ -111,12 +111,12 @@ def consumer_main(pipe, num_layers, num_blocks, block_shape, config_kwargs, tran
             _make_hostile(hostile)
         if slow_scatter is not None:
             _slow_scatters(*slow_scatter)
-        caches = [torch.full((num_blocks, *block_shape), -7.0, device=device)
-                  for _ in range(num_layers)]
+        counts = num_blocks if isinstance(num_blocks, list) else [num_blocks] * num_layers
+        caches = [torch.full((count, *block_shape), -7.0, device=device) for count in counts]
         transport = MooncakeTransport(host=host, **transport_kwargs)
         connector = LayerwiseConnector("consumer", transport, ConnectorConfig(**config_kwargs),
                                        fleet_key=fleet_key, control_tls=control_tls)
-        connector.register_kv_caches(caches)
+        connector.register_kv_caches(caches, spaces)
     except BaseException:
         pipe.send(("error", traceback.format_exc()))
         raise
@@ -188,14 +188,16 @@ class ConsumerProcess(WorkerProcess):
 
     def __init__(self, num_layers, num_blocks, block_shape, timeout=60.0, transport_kwargs=None,
                  device="cpu", fleet_key=None, control_tls=None, hostile=None, host=None,
-                 slow_scatter=None, **config_kwargs):
-        """``host``: a :class:`~torch_kvops.testing.netns_host.NetnsHost` to run in;
-        ``slow_scatter``: ``(seconds, control)`` (:func:`_slow_scatters`)."""
+                 slow_scatter=None, spaces=None, **config_kwargs):
+        """``num_blocks``: per layer, or one count for all; ``host``: a
+        :class:`~torch_kvops.testing.netns_host.NetnsHost` to run in; ``slow_scatter``:
+        ``(seconds, control)`` (:func:`_slow_scatters`); ``spaces``: the layers' block
+        spaces (``register_kv_caches``)."""
         netns = (host.name, host.address) if host is not None else None
         if slow_scatter is not None and slow_scatter[1] not in SCATTER_CONTROLS:
             raise ValueError(f"slow_scatter control must be one of {SCATTER_CONTROLS}")
         super().__init__(consumer_main, (num_layers, num_blocks, block_shape, config_kwargs,
                                          transport_kwargs or {}, device, fleet_key, control_tls, hostile,
-                                         netns, slow_scatter),
+                                         netns, slow_scatter, spaces),
                          "consumer", timeout)
         self.info = self.hello

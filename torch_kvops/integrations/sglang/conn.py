@@ -53,7 +53,7 @@ class KvopsKVReceiver(sgl.CommonKVReceiver):
     def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None,
                       *args, **kwargs) -> None:
         self.kv_mgr.expect(self.bootstrap_room, [] if kv_indices is None else kv_indices, aux_index,
-                           self.prefill_info.attn_tp_size)
+                           self.prefill_info.attn_tp_size, state_indices)
         self._kvops_expected = True
         super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, *args, **kwargs)
 

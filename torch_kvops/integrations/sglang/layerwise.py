@@ -59,12 +59,17 @@ class LayerwisePrefill:
     """The prefill manager's layer-wise part (one per scheduler process)."""
 
     def __init__(self, manager: "KvopsKVManager", page_size: int, num_buffers: int,
-                 latent: bool = False, windows: bool = True) -> None:
+                 latent: bool = False, windows: bool = True, sliding_buffers: int = 0) -> None:
         """``num_buffers``: SGLang's KV buffers, every layer's K then every layer's V,
         or with ``latent`` (MLA) one buffer per layer. ``windows``: push a sliding
-        layer's pages of its window only (windows.py)."""
+        layer's pages of its window only (windows.py). ``sliding_buffers``: a hybrid
+        pool's sliding layers' K then V (swa_pool.py), the connector's buffers after
+        the KV buffers; their windows go after the forward."""
         self.manager, self.page_size, self.num_buffers = manager, page_size, num_buffers
         self.num_layers = num_buffers if latent else num_buffers // 2
+        self.sliding_buffers = sliding_buffers
+        self._sliding_pool = None  # the hybrid pool's sliding part, read at the first forward
+        self._pool_read = False
         self._rooms: Dict[str, _Room] = {}  # by SGLang request id
         self._by_room: Dict[int, _Room] = {}  # the same, by room
         self._lock = threading.Lock()
@@ -163,7 +168,11 @@ class LayerwisePrefill:
         """Around ``ModelRunner.forward``: one connector step for the batch's chunks."""
         if not forward_batch.forward_mode.is_extend():
             return original(runner, forward_batch, *args, **kwargs)
-        if not self._windows_read:  # SGLang's warm-up forward comes before any room
+        if not self._pool_read:  # SGLang's warm-up forward comes before any room
+            self._pool_read = True
+            self._sliding_pool = getattr(runner.token_to_kv_pool, "swa_kv_pool", None) \
+                if self.sliding_buffers else None
+        if not self._windows_read:
             from . import internals as sgl  # (this module imports without SGLang: its units)
 
             self._windows_read = True
@@ -188,7 +197,7 @@ class LayerwisePrefill:
                 return original(runner, forward_batch, *args, **kwargs)
             finally:
                 # a layer the forward did not write (it raised) still ends the step
-                for buffer in range(self.num_buffers):
+                for buffer in range(self.num_buffers + self.sliding_buffers):
                     if buffer not in self._saved:
                         self.manager.save_buffer(buffer)
                 self._saved = None
@@ -206,12 +215,19 @@ class LayerwisePrefill:
         self.manager.counts.add("kvops_sglang_layers_landed_during_forward",
                                 len([t for t in landed if t is not None and t < end]))
 
-    def layer_written(self, layer_id: int) -> None:
-        """After ``set_kv_buffer``: push this layer's buffers (K and V, or its latent)."""
+    def layer_written(self, layer_id: int, pool=None) -> None:
+        """After ``set_kv_buffer`` of ``pool``: push this layer's buffers (K and V, or
+        its latent); ``layer_id`` is the pool's own (a hybrid pool's two parts each
+        count their layers from 0)."""
         saved = self._saved
         if saved is None:
             return  # no push in this forward (or another thread's call)
-        for buffer in range(layer_id, self.num_buffers, self.num_layers):
+        if pool is not None and pool is self._sliding_pool:
+            layers = self.sliding_buffers // 2
+            buffers = [self.num_buffers + layer_id, self.num_buffers + layers + layer_id]
+        else:
+            buffers = range(layer_id, self.num_buffers, self.num_layers)
+        for buffer in buffers:
             if buffer not in saved:
                 saved.add(buffer)
                 self.manager.save_buffer(buffer)
@@ -238,5 +254,5 @@ def after_set_kv_buffer(result, pool, layer, *args, **kwargs):
     if _PREFILL is not None:
         layer_id = kwargs.get("layer_id_override")
         _PREFILL.layer_written((layer.layer_id if layer_id is None else layer_id)
-                               - getattr(pool, "start_layer", 0))
+                               - getattr(pool, "start_layer", 0), pool)
     return result

@@ -45,14 +45,14 @@ from .heads import RankHeads, moved_by
 from .layerwise import LayerwisePrefill
 from .metrics import Counts
 from .owed_notices import STILL_OWED, renew_owed_rooms, tell_owed_rooms
-from .pages import page_views
-from .prefill_restarts import cached_endpoints, prefill_restarted
+from .swa_pool import pool_buffers, window_ids_frame, window_pages, window_transfer
+from .prefill_restarts import PrefillRestartWatch
 from .push_queue import METADATA_ROW, PushQueue
 from .serial_sends import SerialSends
 from .settings import KvopsSglangSettings
 from .signing import MessageSigner
 from .support import check_supported
-from .transfers import Destination, destination, pushed_bytes, room_of, room_parts
+from .transfers import Destination, destination, pushed_bytes, room_of, room_parts, transfer_id
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ MIRRORED = {"integrity_failures": "kvops_sglang_integrity_failures",
             "begin_blocks_refused": "kvops_sglang_misaddressed_rooms"}
 
 
-class KvopsKVManager(SerialSends, sgl.CommonKVManager):
+class KvopsKVManager(SerialSends, PrefillRestartWatch, sgl.CommonKVManager):
     """See the module docstring."""
 
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend: bool = False) -> None:
@@ -70,25 +70,28 @@ class KvopsKVManager(SerialSends, sgl.CommonKVManager):
         self.prefill = disaggregation_mode == sgl.DisaggregationMode.PREFILL
         sgl.check_attributes(self, sgl.PREFILL_MANAGER_ATTRIBUTES if self.prefill
                              else sgl.DECODE_MANAGER_ATTRIBUTES)
-        check_supported(args, server_args)
         self.settings = KvopsSglangSettings.from_env()
+        check_supported(args, server_args, self.settings.mha_unit, is_mla_backend)
         self.settings.check_exposure(self.local_ip)
         fleet_key = self.settings.fleet_key()
         self.signer = MessageSigner(fleet_key)
         self.heads = None if is_mla_backend or self.settings.mha_unit == "page" else RankHeads(
             sgl.total_kv_heads(server_args), self.attn_tp_size, self.attn_tp_rank, args.page_size)
-        pages = page_views(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
-        self.caches = pages if self.heads is None else self.heads.unit_views(pages)
+        pages, sliding = pool_buffers(args)  # sliding: a hybrid pool's (swa_pool.py)
+        self.caches = (pages if self.heads is None else self.heads.unit_views(pages)) + sliding
+        self.full_buffers = len(self.caches) - len(sliding)
         self.transport = MooncakeTransport(host=self.local_ip, protocol=self.settings.protocol,
                                            device_name=self.settings.device_name)
         try:
             self.conn = LayerwiseConnector("producer" if self.prefill else "consumer",
                                            self.transport, self.settings.connector_config(),
                                            fleet_key=fleet_key)
-            self.conn.register_kv_caches(self.caches)
+            self.conn.register_kv_caches(self.caches, [0] * self.full_buffers + [1] * len(sliding)
+                                         if sliding else None)
         except BaseException:
             self.transport.close()
             raise
+        self.window_base = self.conn.block_id_base(self.full_buffers) if sliding else 0
         self.counts = Counts("prefill" if self.prefill else "decode")
         self._lock = threading.Lock()
         self.step_lock = threading.Lock()  # one connector step at a time: forward or push thread
@@ -99,8 +102,9 @@ class KvopsKVManager(SerialSends, sgl.CommonKVManager):
         self.pushes = PushQueue(self)
         self.layerwise = self.rooms = None
         if self.prefill:
-            self.layerwise = LayerwisePrefill(self, args.page_size, len(self.caches), is_mla_backend,
-                                              self.settings.sliding_layers == "window")
+            self.layerwise = LayerwisePrefill(self, args.page_size, self.full_buffers, is_mla_backend,
+                                              self.settings.sliding_layers == "window" and not sliding,
+                                              len(sliding))
             self.layerwise.install()
         else:
             self.rooms = DecodeRooms(args, self._decode_success, self.fail)
@@ -116,6 +120,9 @@ class KvopsKVManager(SerialSends, sgl.CommonKVManager):
             self._start_heartbeat_checker_thread()
         log.info("kvops %s rank %s: %d KV buffers of %d pages, moved by %s", "prefill" if self.prefill
                  else "decode", self.kv_args.engine_rank, len(pages), pages[0].size(0), moved_by(self.heads))
+        if sliding:
+            log.info("kvops: a hybrid pool's %d sliding buffers of %d pages, ids from %d", len(sliding),
+                     sliding[0].size(0), self.window_base)
 
     # ------------------------------------------------------------- decode -> prefill
 
@@ -134,7 +141,8 @@ class KvopsKVManager(SerialSends, sgl.CommonKVManager):
             str(bootstrap_room).encode(), self.local_ip.encode(), str(self.rank_port).encode(),
             self.conn.engine_id.encode(), pages,
             str(-1 if is_dummy or aux_index is None else aux_index).encode(),
-            str(required_dst_info_num).encode(), str(decode_prefix_len or 0).encode()])
+            str(required_dst_info_num).encode(), str(decode_prefix_len or 0).encode(),
+            window_ids_frame(None if is_dummy else window_pages(self.kv_args, state_indices, self.window_base))])
 
     def send_to_decode(self, endpoint: str, frames: List[bytes]) -> None:
         """Prefill: one of the backend's messages to a decode rank, signed."""
@@ -201,7 +209,9 @@ class KvopsKVManager(SerialSends, sgl.CommonKVManager):
                 theirs = self.decode_peers.registration(session) or {}
                 infos[session] = destination(self.heads, theirs.get("sglang_heads"), peer, endpoint,
                                              np.frombuffer(msg[4], dtype=np.int32), int(msg[5]), session,
-                                             theirs.get("sglang_windows_only") is True)
+                                             theirs.get("sglang_windows_only") is True,
+                                             np.frombuffer(msg[8], dtype=np.int64) if len(msg) > 8 and msg[8]
+                                             else None, range(self.full_buffers, len(self.caches)))
             except ValueError as exc:
                 self.fail(room, str(exc))
                 return
@@ -224,7 +234,8 @@ class KvopsKVManager(SerialSends, sgl.CommonKVManager):
                                                      index_slice)
         last = bool(is_last_chunk)
         self.pushes.push(bootstrap_room, pages, index_slice, last, aux_index,
-                         last and self.layerwise.pushed_last(bootstrap_room))
+                         last and self.layerwise.pushed_last(bootstrap_room),
+                         window_pages(self.kv_args, state_indices, self.window_base) if last else None)
 
     def ready_destinations(self, room: int) -> List[Destination]:
         """A room's destinations once all arrived."""
@@ -261,12 +272,16 @@ class KvopsKVManager(SerialSends, sgl.CommonKVManager):
 
     # ------------------------------------------------------------- decode side
 
-    def expect(self, room: int, pages, aux_index: int, prefill_tp: int) -> None:
+    def expect(self, room: int, pages, aux_index: int, prefill_tp: int, state_indices=None) -> None:
         """Decode: the engine gave the room ``pages`` and a metadata row (before the
         destination message goes out). The prefill may write those pages only: whole
         (MLA, or MHA by page), or per prefill rank of attention TP ``prefill_tp`` that sends heads
-        here, those heads of their tokens (MHA, :mod:`.heads`)."""
+        here, those heads of their tokens (MHA, :mod:`.heads`); and a hybrid pool's window
+        pages (``state_indices``, swa_pool.py), as a transfer of its own."""
         parts = room_parts(self.heads, room, self.conn.engine_id, pages, prefill_tp)
+        window = window_pages(self.kv_args, state_indices, self.window_base)
+        if window is not None and len(window):
+            parts[window_transfer(transfer_id(room, self.conn.engine_id))] = window.tolist()
         self.rooms.expect(room, aux_index, list(parts))
         for part, units in parts.items():
             if not self.conn.expect(part, blocks=units):
@@ -284,30 +299,6 @@ class KvopsKVManager(SerialSends, sgl.CommonKVManager):
         (self.layerwise or self.rooms).forget(room)
         with self._lock:
             self._prefill_parts.pop(room, None)
-
-    def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
-        """Decode: a prefill server's bootstrap stopped answering SGLang's heartbeat
-        (or its ranks moved: a restart between two heartbeats).
-        SGLang's own handling drops its cached connection details (a restarted prefill
-        server gets its new ports looked up) and fails its rooms at once; here its rooms
-        are taken out first, so each ends with the connector's outcome instead (its
-        lease, or the fence once that prefill began it): the prefill may be cut off,
-        not dead, and its writes could still land in pages failed at once."""
-        with self.connection_lock:
-            kept = self.addr_to_rooms_tracker.pop(failed_bootstrap_addr, set())
-        log.warning("prefill server %s stopped answering: its %d rooms end with their transfers' "
-                    "outcome", failed_bootstrap_addr, len(kept))
-        super()._handle_node_failure(failed_bootstrap_addr)
-
-    def _on_heartbeat_success(self, bootstrap_addr: str) -> None:
-        """Decode: a prefill restarted between two heartbeats (prefill_restarts.py)."""
-        mapping = self.prefill_info_table.get(bootstrap_addr)
-        with self.connection_lock:
-            cached = cached_endpoints(self.connection_pool, bootstrap_addr,
-                                      mapping.target_tp_ranks if mapping else None)
-        if cached and prefill_restarted(bootstrap_addr, cached):
-            self.counts.add("kvops_sglang_prefill_restarts")
-            self._handle_node_failure(bootstrap_addr)
 
     def _on_decode_message(self, msg: List[bytes]) -> None:
         if msg[0] == STILL_OWED:
@@ -347,7 +338,7 @@ class KvopsKVManager(SerialSends, sgl.CommonKVManager):
         KV landed: each transfer to a decode rank (by its id), or "kv" where this rank
         has only dummy destinations. SGLang drops the room's destinations when it sees
         Success."""
-        expected = {d.transfer(room) for d in self.destinations(room)} or {"kv"}
+        expected = {t for d in self.destinations(room) for t in d.transfers(room)} or {"kv"}
         with self._lock:
             parts = self._prefill_parts.setdefault(room, set())
             parts.add(part)

@@ -10,7 +10,8 @@ from prometheus_client import Counter
 _COUNTERS: Dict[str, Counter] = {}
 HELP = {
     "kvops_sglang_chunks": "Chunks pushed, by role and path: 'forward' (layer by layer, "
-                           "in the forward) or 'after_forward' (whole, by the push thread)",
+                           "in the forward), 'after_forward' (whole, by the push thread) or "
+                           "'window' (a hybrid pool's window of a room, by the push thread)",
     "kvops_sglang_layers": "KV buffers (a layer's K or V) pushed in forwards",
     "kvops_sglang_layers_landed_during_forward": "Of those, the ones whose bytes landed "
                                                  "on the decode side before the forward ended",

@@ -67,3 +67,31 @@ def prefill_restarted(bootstrap_addr: str, cached: List[Tuple[str, dict]]) -> bo
                         now.get("rank_ip"), now["rank_port"])
             return True
     return False
+
+
+class PrefillRestartWatch:
+    """Decode: mixed in before SGLang's ``CommonKVManager``, whose heartbeat calls these."""
+
+    def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
+        """Decode: a prefill server's bootstrap stopped answering SGLang's heartbeat
+        (or its ranks moved: a restart between two heartbeats).
+        SGLang's own handling drops its cached connection details (a restarted prefill
+        server gets its new ports looked up) and fails its rooms at once; here its rooms
+        are taken out first, so each ends with the connector's outcome instead (its
+        lease, or the fence once that prefill began it): the prefill may be cut off,
+        not dead, and its writes could still land in pages failed at once."""
+        with self.connection_lock:
+            kept = self.addr_to_rooms_tracker.pop(failed_bootstrap_addr, set())
+        log.warning("prefill server %s stopped answering: its %d rooms end with their transfers' "
+                    "outcome", failed_bootstrap_addr, len(kept))
+        super()._handle_node_failure(failed_bootstrap_addr)
+
+    def _on_heartbeat_success(self, bootstrap_addr: str) -> None:
+        """Decode: a prefill restarted between two heartbeats (this module's docstring)."""
+        mapping = self.prefill_info_table.get(bootstrap_addr)
+        with self.connection_lock:
+            cached = cached_endpoints(self.connection_pool, bootstrap_addr,
+                                      mapping.target_tp_ranks if mapping else None)
+        if cached and prefill_restarted(bootstrap_addr, cached):
+            self.counts.add("kvops_sglang_prefill_restarts")
+            self._handle_node_failure(bootstrap_addr)

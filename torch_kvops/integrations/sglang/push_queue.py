@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import queue
-from typing import TYPE_CHECKING, List, Set
+from typing import TYPE_CHECKING, List, Optional, Set
 
 import numpy as np
 import zmq
@@ -22,8 +22,8 @@ METADATA_ROW = b"KVOPS_AUX"  # prefill -> decode: a room's metadata row
 
 
 class PushQueue:
-    """Items are ``("push", room, pages, index_slice, last, aux_index, last_pushed)``
-    or ``("abort", room, reason)``; everything queued when the thread wakes goes in
+    """Items are ``("push", room, pages, index_slice, last, aux_index, last_pushed,
+    window)`` or ``("abort", room, reason)``; everything queued when the thread wakes goes in
     one connector step (a room's next chunk in the step after)."""
 
     def __init__(self, manager: "KvopsKVManager") -> None:
@@ -31,10 +31,11 @@ class PushQueue:
         self._items: "queue.Queue[tuple]" = queue.Queue()
 
     def push(self, room: int, pages: np.ndarray, index_slice: slice, last: bool, aux_index,
-             last_pushed: bool) -> None:
+             last_pushed: bool, window: Optional[np.ndarray] = None) -> None:
         """Queue a chunk's pages (``last_pushed``: its forward pushed the last chunk's
-        pages already; the metadata row still goes)."""
-        self._items.put(("push", room, pages, index_slice, last, aux_index, last_pushed))
+        pages already; the metadata row still goes); with the last chunk, a hybrid
+        pool's window pages (block ids, swa_pool.py)."""
+        self._items.put(("push", room, pages, index_slice, last, aux_index, last_pushed, window))
 
     def abort(self, room: int, reason: str) -> None:
         self._items.put(("abort", room, reason))
@@ -53,16 +54,23 @@ class PushQueue:
     def _run(self, batch: List[tuple]) -> None:
         m = self.manager
         requests: List[TransferRequest] = []
+        windows: List[TransferRequest] = []  # a hybrid pool's (swa_pool.py)
         rooms: Set[int] = set()
         for item in batch:
             if item[0] == "abort":
                 self._abort(item[1], item[2])
                 continue
-            _, room, pages, index_slice, last, aux_index, last_pushed = item
+            _, room, pages, index_slice, last, aux_index, last_pushed, window = item
             if room in rooms:  # a room's next chunk goes in the next step
                 self._items.put(item)
                 continue
             destinations = m.destinations(room)
+            try:
+                its_windows = [] if window is None else [
+                    r for r in (d.window_request(room, window.tolist()) for d in destinations) if r]
+            except ValueError as exc:
+                m.fail(room, str(exc))
+                continue
             try:
                 if last and aux_index is not None:
                     rows = read_rows(m.kv_args.aux_data_ptrs, m.kv_args.aux_item_lens, aux_index)
@@ -80,12 +88,14 @@ class PushQueue:
             if len(pages) or (last and not last_pushed):  # an empty last chunk still ends it
                 requests += [dest.request(room, pages.tolist(), index_slice, last, m.layerwise.windows)
                              for dest in destinations]
+            windows += its_windows
             rooms.add(room)
-        if not requests:
+        if not requests and not windows:
             return
         with m.step_lock:
-            if m.start_step(requests):
+            if m.start_step(requests + windows):
                 m.counts.add("kvops_sglang_chunks", len(requests), "after_forward")
+                m.counts.add("kvops_sglang_chunks", len(windows), "window")
                 for index in range(len(m.caches)):
                     m.save_buffer(index)
 
@@ -104,7 +114,7 @@ class PushQueue:
                 log.error("kvops: room %d aborted with the sender down: %s", room, exc)
                 in_flight = False
             else:  # each of its transfers (one per decode rank it goes to)
-                in_flight = any([m.conn.abort(dest.transfer(room), reason)
-                                 for dest in m.destinations(room)])
+                in_flight = any([m.conn.abort(transfer, reason) for dest in m.destinations(room)
+                                 for transfer in dest.transfers(room)])
         if not in_flight:  # nothing can read its pages
             m.fail(room, reason)

@@ -8,9 +8,10 @@ from typing import Optional
 
 from .heads import RankHeads
 from .settings import CONFIG_ENV
+from .swa_pool import SWA_STATE
 
 
-def check_supported(args, server_args) -> None:
+def check_supported(args, server_args, mha_unit: str = "page", latent: bool = False) -> None:
     """What this backend does not move yet fails at start-up, not in a transfer."""
     missing = []
     if str(getattr(server_args, "device", "cpu")) != "cpu":
@@ -18,12 +19,13 @@ def check_supported(args, server_args) -> None:
     if getattr(args, "num_draft_entries", 0):
         missing.append("speculative decoding's draft KV")
     states = [getattr(state, "value", state) for state in getattr(args, "state_types", None) or []]
-    if states:
-        missing.append(f"state pools {states}" + (
-            # SGLang's hybrid pool keeps a sliding layer's window only, in a pool of its
-            # own: moved here, a sliding layer keeps every token like a full one
-            " (a sliding-window model moves with --disable-hybrid-swa-memory on every "
-            "server of the fleet)" if "swa" in states else ""))
+    if [s for s in states if s != SWA_STATE]:
+        missing.append(f"state pools {[s for s in states if s != SWA_STATE]}")
+    if SWA_STATE in states and (latent or mha_unit != "page"):
+        # the hybrid pool's windows move by page (swa_pool.py), of MHA pools
+        missing.append("a hybrid sliding-window pool " + ("of MLA" if latent else "with mha_unit "
+                       f"{mha_unit!r}") + " (moved by page only; or --disable-hybrid-swa-memory "
+                       "on every server of the fleet)")
     # tensor parallelism moves each rank's KV heads (MHA) or latent (MLA) to the decode
     # ranks that hold them (heads.py, transfers.py); other splits of the model are not built
     for name, what in (("pp_size", "pipeline parallelism"), ("attn_cp_size", "context parallelism"),

@@ -13,6 +13,7 @@ import torch
 from ...heads import PartPlan
 from ...plan import TransferRequest
 from .heads import RankHeads, page_tokens
+from .swa_pool import window_firsts, window_transfer
 from .windows import SlidingWindows
 
 
@@ -38,11 +39,31 @@ class Destination:
     heads: Optional[RankHeads] = None  # MHA by head: this prefill rank's heads (else by page)
     part: Optional[PartPlan] = None  # MHA by head: the heads it sends that decode rank
     windowed: bool = False  # to a rank that reads windows only: sliding layers' windows only
+    window: Optional[np.ndarray] = None  # its hybrid pool's window pages (block ids), if any
+    sliding: range = range(0)  # this rank's sliding buffers of a hybrid pool (swa_pool.py)
 
     def transfer(self, room: int) -> str:
         if self.part is None:
             return transfer_id(room, self.session)
         return self.heads.part(room, self.session, self.part.decode_rank)
+
+    def transfers(self, room: int) -> List[str]:
+        """Every transfer of the room to this rank: its pages, and its window where
+        its hybrid pool holds one (swa_pool.py)."""
+        transfer = self.transfer(room)
+        return [transfer] + ([window_transfer(transfer)] if self.window is not None and len(self.window) else [])
+
+    def window_request(self, room: int, src: Sequence[int]) -> Optional[TransferRequest]:
+        """The transfer of the prefill's window pages ``src`` (block ids) into this
+        rank's, None where it holds no window; ValueError when the two windows differ
+        in length (the sides disagree on the room's tokens)."""
+        if self.window is None or not len(self.window):
+            return None
+        if len(src) != len(self.window):
+            raise ValueError(f"the prefill's window of room {room} is {len(src)} pages, decode rank "
+                             f"{self.session}'s {len(self.window)}")
+        return TransferRequest(window_transfer(self.transfer(room)), self.peer, list(src), self.window.tolist(),
+                               layer_first_block=window_firsts(self.sliding.start, len(src)))
 
     def request(self, room: int, src_pages: Sequence[int], dst: slice, last: bool,
                 windows: Optional[SlidingWindows] = None) -> TransferRequest:
@@ -55,6 +76,8 @@ class Destination:
             dropped, firsts = windows.cut(len(self.pages), dst.indices(len(self.pages))[0],
                                           len(dst_pages))
             src, dst_pages = src[dropped:], dst_pages[dropped:]
+        if self.sliding:  # a hybrid pool's sliding buffers move the window only (window_request)
+            firsts = {**(firsts or {}), **dict.fromkeys(self.sliding, len(src))}
         if self.part is None:
             return TransferRequest(self.transfer(room), self.peer, src, dst_pages.tolist(),
                                    last_chunk=last, layer_first_block=firsts or None)
@@ -78,17 +101,23 @@ def unit_mismatch(heads: Optional[RankHeads], theirs: Optional[dict]) -> str:
 
 def destination(heads: Optional[RankHeads], theirs: Optional[dict], peer: str, endpoint: str,
                 pages: np.ndarray, aux_index: int, session: str,
-                windows_only: bool = False) -> Optional[Destination]:
+                windows_only: bool = False, window: Optional[np.ndarray] = None,
+                sliding: range = range(0)) -> Optional[Destination]:
     """Prefill: a decode rank's destination of a room. ``heads``: this rank's (None:
     moved by page); ``theirs``: the heads the decode rank registered with (None: by
     page); ``windows_only``: whether it registered as reading a sliding layer's window
     only (windows.py; else every page of every layer is pushed). None where a replica
-    on a lower prefill rank sends that rank's heads (replicated KV heads)."""
+    on a lower prefill rank sends that rank's heads (replicated KV heads). ``window``:
+    its hybrid pool's window pages (swa_pool.py), by page only; ``sliding``: this
+    rank's sliding buffers of a hybrid pool."""
     mismatch = unit_mismatch(heads, theirs)
     if mismatch:
         raise ValueError(f"decode rank {session} {mismatch}")
     if heads is None:
-        return Destination(peer, endpoint, pages, aux_index, session, windowed=windows_only)
+        return Destination(peer, endpoint, pages, aux_index, session, windowed=windows_only, window=window,
+                           sliding=sliding)
+    if window is not None:
+        raise ValueError(f"decode rank {session} sent a hybrid pool's window, moved by page only")
     if not isinstance(theirs, dict) or theirs.get("total") != heads.total:
         raise ValueError(f"decode rank {session} holds KV heads {theirs}; this model has {heads.total}")
     part = heads.plan_to(int(theirs["tp_size"]), int(theirs["rank"]))
