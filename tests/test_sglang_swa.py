@@ -185,13 +185,14 @@ def test_negative_control_a_missing_full_or_sliding_layer_changes_the_answers(fl
     assert _differ(fleet, seed=44, n=4)[0] == []  # and the fleet is whole again
 
 
-def test_the_hybrid_pool_moves_full_pages_in_the_forward_and_each_window_after_it(fleet):
+def test_the_hybrid_pool_moves_full_pages_and_each_window_layer_by_layer_in_the_forward(fleet):
     """SGLang's hybrid pool on P and D (its default for this model): 8 prompts at once,
     every answer equal to the reference's, no room failed, D computed no prompt token,
-    every chunk of the full layers left in its forward and each room's window after
-    it. Negative control, in the suite: the windows' bytes dropped (``drop_window``),
-    D's checks off: the answers differ; the fleet answers right again and every page
-    comes back on both sides."""
+    every chunk of the full layers and each room's window left in their forwards,
+    layer by layer (none after: SGLang named the same window pages after the forward).
+    Negative control, in the suite: the windows' bytes dropped (``drop_window``), D's
+    checks off: the answers differ; the fleet answers right again and every page comes
+    back on both sides."""
     servers, model, sabotage = fleet
     servers.start(["P-hybrid", "D-hybrid"], 600)
     servers.start(["router-hybrid"], 600)
@@ -207,11 +208,13 @@ def test_the_hybrid_pool_moves_full_pages_in_the_forward_and_each_window_after_i
         assert not any(count(s, "rooms", label="failed") for s in (p, d))
         prefilled = [prometheus.total(s, "sglang:prefill_effective_tokens_total", mode="input") for s in (p, d)]
         assert prefilled[1] == 0 and prefilled[0] > 0, prefilled
-        assert count(p, "chunks", label="after_forward") == 0
-        assert count(p, "chunks", label="forward") > n and count(p, "chunks", label="window") >= n
-        print(f"\n[sglang swa hybrid] {count(p, 'chunks', label='forward'):.0f} chunks pushed in forwards, "
-              f"{count(p, 'chunks', label='window'):.0f} windows after them, "
-              f"{count(p, 'pushed_bytes'):.0f} bytes")
+        assert count(p, "chunks", label="after_forward") == 0 and count(p, "chunks", label="window") == 0
+        assert count(p, "chunks", label="forward") > 2 * n  # the rooms' chunks and their windows
+        layers, early = count(p, "layers"), count(p, "layers_landed_during_forward")
+        print(f"\n[sglang swa hybrid] {count(p, 'chunks', label='forward'):.0f} chunks and windows pushed "
+              f"in forwards, {count(p, 'pushed_bytes'):.0f} bytes; {early:.0f} of {layers:.0f} pushed "
+              "buffers landed before their forward ended")
+        assert layers > 0 and early >= layers * LANDED_IN_FORWARD, (early, layers)
         differ = sabotage_changes_the_answers(sabotage, ("drop_window", "unverified", "unchecked"),
                                               lambda: _differ(fleet, 54, router="router-hybrid"))
         print(f"[sglang swa hybrid] windows dropped: {len(differ)} of 8 answers differ")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import pkgutil
-from typing import Dict, List, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import sglang
 from sglang.srt.arg_groups.choices import (DISAGG_TRANSFER_BACKEND_CHOICES,
@@ -57,7 +57,7 @@ __all__ = ["ABORT_TAG", "AbortNotification", "CommonKVBootstrapServer", "CommonK
            "TransferBackend", "add_disagg_transfer_backend_choices", "check", "READ_FROM",
            "BOOTSTRAP_QUEUE_ADD", "MODEL_FORWARD", "KV_WRITES", "PREFILL_MANAGER_ATTRIBUTES",
            "DECODE_MANAGER_ATTRIBUTES", "RECEIVER_ATTRIBUTES", "check_attributes", "total_kv_heads",
-           "sliding_windows", "decode_reads_windows_only"]
+           "sliding_windows", "decode_reads_windows_only", "hybrid_pool"]
 
 # method -> the parameters (in order, after self) the backend passes or receives
 SIGNATURES: Dict[str, List[str]] = {
@@ -128,6 +128,19 @@ def sliding_windows(model) -> Dict[int, int]:
     return found
 
 
+def hybrid_pool(runner) -> Tuple[object, Optional[Callable], int]:
+    """A prefill model runner's hybrid sliding-window pool: (its window part, the
+    translation of full-pool token slots to that part's, as SGLang's prefill makes it
+    for a room's window; the window in tokens). The translation is None where SGLang
+    names the window otherwise (a pool with a ``request_window``): the room's window
+    then goes after the forward, as SGLang names it."""
+    pool = runner.token_to_kv_pool
+    if getattr(pool, "request_window", None) is not None:
+        return pool.swa_kv_pool, None, 0
+    return (pool.swa_kv_pool, runner.token_to_kv_pool_allocator.translate_swa_indices_for_transfer,
+            int(runner.sliding_window_size))
+
+
 def decode_reads_windows_only(server_args) -> bool:
     """Whether a decode server reads a sliding layer's last window only, and never its
     earlier pages: it keeps no finished request's KV for later prompts (its radix
@@ -138,6 +151,11 @@ def decode_reads_windows_only(server_args) -> bool:
 
 
 DECODE_RADIX_CACHE = "disaggregation_decode_enable_radix_cache"  # a ServerArgs field
+# a hybrid pool's allocator (mem_cache/allocator/swa.py), read by hybrid_pool (instance
+# attributes of ModelRunner: token_to_kv_pool, token_to_kv_pool_allocator, sliding_window_size;
+# of SWAKVPool: swa_kv_pool, request_window)
+HYBRID_WINDOW_SLOTS = ("sglang.srt.mem_cache.allocator.swa.SWATokenToKVPoolAllocator"
+                       ".translate_swa_indices_for_transfer")
 # attention backends that ignore sliding_window_size (layers/attention/torch_flex_backend.py,
 # wave_backend.py): a sliding layer reads every token there
 READ_EVERY_TOKEN = ("flex_attention", "wave")
@@ -191,10 +209,11 @@ def check() -> None:
     problems += [f"ServerArgs.{name} is gone" for name in
                  (DECODE_RADIX_CACHE, "decode_attention_backend", "attention_backend")
                  if not hasattr(ServerArgs, name)]
-    try:
-        pkgutil.resolve_name("sglang.srt.layers.radix_attention.RadixAttention")
-    except (ImportError, AttributeError) as exc:
-        problems.append(f"sglang.srt.layers.radix_attention.RadixAttention is gone ({exc})")
+    for name in ("sglang.srt.layers.radix_attention.RadixAttention", HYBRID_WINDOW_SLOTS):
+        try:
+            pkgutil.resolve_name(name)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{name} is gone ({exc})")
     if not isinstance(DISAGG_TRANSFER_BACKEND_CHOICES, list):
         problems.append("DISAGG_TRANSFER_BACKEND_CHOICES is no longer a list")
     if problems:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
 
 import numpy as np
+import torch
 
 from ...plan import TransferRequest
 from .windows import SlidingWindows
@@ -53,6 +54,7 @@ class _Room:
     pushed_last: bool = False  # a forward pushed its last chunk
     decode_prefix: int = 0  # tokens the decode side holds already (its radix cache): never sent
     handed_off: bool = False  # the push thread has a chunk of it: forwards push no more of it
+    pushed_window: Optional[np.ndarray] = None  # a hybrid pool's window, pushed in the last forward
 
 
 class LayerwisePrefill:
@@ -64,11 +66,13 @@ class LayerwisePrefill:
         or with ``latent`` (MLA) one buffer per layer. ``windows``: push a sliding
         layer's pages of its window only (windows.py). ``sliding_buffers``: a hybrid
         pool's sliding layers' K then V (swa_pool.py), the connector's buffers after
-        the KV buffers; their windows go after the forward."""
+        the KV buffers; a room's window goes in its last chunk's forward."""
         self.manager, self.page_size, self.num_buffers = manager, page_size, num_buffers
         self.num_layers = num_buffers if latent else num_buffers // 2
         self.sliding_buffers = sliding_buffers
         self._sliding_pool = None  # the hybrid pool's sliding part, read at the first forward
+        self._window_slots = None  # its translation of full-pool slots to its own
+        self._window_size = 0
         self._pool_read = False
         self._rooms: Dict[str, _Room] = {}  # by SGLang request id
         self._by_room: Dict[int, _Room] = {}  # the same, by room
@@ -115,6 +119,12 @@ class LayerwisePrefill:
                 tracked.handed_off = True
         return pages, index_slice
 
+    def pushed_window(self, room: int) -> Optional[np.ndarray]:
+        """The hybrid pool's window a forward pushed of the room (block ids), if any."""
+        with self._lock:
+            tracked = self._by_room.get(room)
+            return None if tracked is None else tracked.pushed_window
+
     def pushed_last(self, room: int) -> bool:
         with self._lock:
             tracked = self._by_room.get(room)
@@ -157,12 +167,29 @@ class LayerwisePrefill:
             first, stop = (start - skipped) // p, -(-(end - skipped) // p)
             requests += [dest.request(tracked.room, src, slice(first, stop), last, self.windows)
                          for dest in destinations]
+            window = self._window(req_to_token, row, skipped, end) if last else None
+            if window is not None:  # a hybrid pool's (swa_pool.py)
+                requests += [r for r in (d.window_request(tracked.room, window.tolist())
+                                         for d in destinations) if r]
             with self._lock:
                 tracked.pushed_tokens = end
                 tracked.pushed_pages = stop
                 if last:
                     tracked.pushed_last = True
+                    tracked.pushed_window = window
         return requests
+
+    def _window(self, req_to_token, row: int, prefix: int, end: int) -> Optional[np.ndarray]:
+        """A room's window in the hybrid pool (block ids), as SGLang's prefill names it
+        after the last chunk's forward (``_swa_payload``): the pages of the tokens from
+        ``max(decode prefix, prompt - window)``, page-aligned, to the prompt's end."""
+        if self._window_slots is None:
+            return None
+        p = self.page_size
+        start = max(prefix, end - self._window_size)
+        start -= start % p
+        slots = self._window_slots(req_to_token[row, start:end])
+        return (slots[::p] // p).to(torch.int64).numpy() + self.manager.window_base
 
     def forward(self, original, runner, forward_batch, *args, **kwargs):
         """Around ``ModelRunner.forward``: one connector step for the batch's chunks."""
@@ -170,8 +197,10 @@ class LayerwisePrefill:
             return original(runner, forward_batch, *args, **kwargs)
         if not self._pool_read:  # SGLang's warm-up forward comes before any room
             self._pool_read = True
-            self._sliding_pool = getattr(runner.token_to_kv_pool, "swa_kv_pool", None) \
-                if self.sliding_buffers else None
+            if self.sliding_buffers:
+                from . import internals as sgl
+
+                self._sliding_pool, self._window_slots, self._window_size = sgl.hybrid_pool(runner)
         if not self._windows_read:
             from . import internals as sgl  # (this module imports without SGLang: its units)
 

@@ -65,6 +65,13 @@ class PushQueue:
                 self._items.put(item)
                 continue
             destinations = m.destinations(room)
+            pushed = m.layerwise.pushed_window(room)
+            if window is not None and pushed is not None:  # the forward pushed it
+                if not np.array_equal(window, pushed):
+                    m.fail(room, f"SGLang named window pages {window.tolist()[:4]}... of room {room}, "
+                                 f"its forward pushed {pushed.tolist()[:4]}...")
+                    continue
+                window = None
             try:
                 its_windows = [] if window is None else [
                     r for r in (d.window_request(room, window.tolist()) for d in destinations) if r]

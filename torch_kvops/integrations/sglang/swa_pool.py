@@ -11,7 +11,8 @@ The connector registers both pools' buffers, the sliding ones in a block space o
 their own (plan.KVLayout.of): a room's full pages and its window are two transfers
 of one room to each decode rank, the window's under :func:`window_transfer`, its ids
 past the full pool's (``LayerwiseConnector.block_id_base``), and the full layers move
-none of it. No SGLang import here.
+none of it. The window goes in the last chunk's forward (layerwise.py computes its
+pages as SGLang will name them), else after it. No SGLang import here.
 """
 from __future__ import annotations
 
