@@ -63,23 +63,24 @@ class LayerwisePrefill:
     def __init__(self, manager: "KvopsKVManager", page_size: int, num_buffers: int,
                  latent: bool = False, windows: bool = True, sliding_buffers: int = 0) -> None:
         """``num_buffers``: SGLang's KV buffers, every layer's K then every layer's V,
-        or with ``latent`` (MLA) one buffer per layer. ``windows``: push a sliding
-        layer's pages of its window only (windows.py). ``sliding_buffers``: a hybrid
-        pool's sliding layers' K then V (swa_pool.py), the connector's buffers after
-        the KV buffers; a room's window goes in its last chunk's forward."""
+        or with ``latent`` (MLA) one buffer per layer. ``windows``: in the one pool,
+        push a sliding layer's pages of its window only (windows.py).
+        ``sliding_buffers``: a hybrid pool's sliding layers' K then V (swa_pool.py),
+        the connector's buffers after the KV buffers; a room's window goes in its
+        last chunk's forward."""
         self.manager, self.page_size, self.num_buffers = manager, page_size, num_buffers
         self.num_layers = num_buffers if latent else num_buffers // 2
         self.sliding_buffers = sliding_buffers
         self._sliding_pool = None  # the hybrid pool's sliding part, read at the first forward
         self._window_slots = None  # its translation of full-pool slots to its own
         self._window_size = 0
-        self._pool_read = False
+        self._model_read = False
         self._rooms: Dict[str, _Room] = {}  # by SGLang request id
         self._by_room: Dict[int, _Room] = {}  # the same, by room
         self._lock = threading.Lock()
         self._saved: Optional[Set[int]] = None  # layers saved in the running forward's step
         self.windows: Optional[SlidingWindows] = None  # read from the model at its first forward
-        self._windows_read = not windows
+        self._windows_wanted = windows
         self._last_forward_end: Optional[float] = None  # of the last forward that pushed
 
     def install(self) -> None:
@@ -191,24 +192,26 @@ class LayerwisePrefill:
         slots = self._window_slots(req_to_token[row, start:end])
         return (slots[::p] // p).to(torch.int64).numpy() + self.manager.window_base
 
-    def forward(self, original, runner, forward_batch, *args, **kwargs):
-        """Around ``ModelRunner.forward``: one connector step for the batch's chunks."""
-        if not forward_batch.forward_mode.is_extend():
-            return original(runner, forward_batch, *args, **kwargs)
-        if not self._pool_read:  # SGLang's warm-up forward comes before any room
-            self._pool_read = True
-            if self.sliding_buffers:
-                from . import internals as sgl
+    def _read_model(self, runner) -> None:
+        """At the first forward: a hybrid pool's parts, or the sliding layers' windows
+        in the one pool (where their pages are pushed from the window on)."""
+        from . import internals as sgl  # (this module imports without SGLang: its units)
 
-                self._sliding_pool, self._window_slots, self._window_size = sgl.hybrid_pool(runner)
-        if not self._windows_read:
-            from . import internals as sgl  # (this module imports without SGLang: its units)
-
-            self._windows_read = True
+        self._model_read = True
+        if self.sliding_buffers:
+            self._sliding_pool, self._window_slots, self._window_size = sgl.hybrid_pool(runner)
+        elif self._windows_wanted:
             self.windows = SlidingWindows.of_layers(
                 sgl.sliding_windows(runner.model), getattr(runner.token_to_kv_pool, "start_layer", 0),
                 self.num_layers, self.num_buffers, self.page_size,
                 lambda pages: self.manager.counts.add("kvops_sglang_window_pages_skipped", pages))
+
+    def forward(self, original, runner, forward_batch, *args, **kwargs):
+        """Around ``ModelRunner.forward``: one connector step for the batch's chunks."""
+        if not forward_batch.forward_mode.is_extend():
+            return original(runner, forward_batch, *args, **kwargs)
+        if not self._model_read:  # SGLang's warm-up forward comes before any room
+            self._read_model(runner)
         try:
             requests = self.plan(forward_batch, runner.req_to_token_pool.req_to_token)
         except (KeyError, IndexError, ValueError, AttributeError):

@@ -45,13 +45,13 @@ from .heads import RankHeads, moved_by
 from .layerwise import LayerwisePrefill
 from .metrics import Counts
 from .owed_notices import STILL_OWED, renew_owed_rooms, tell_owed_rooms
-from .swa_pool import pool_buffers, window_ids_frame, window_pages, window_transfer
 from .prefill_restarts import PrefillRestartWatch
 from .push_queue import METADATA_ROW, PushQueue
 from .serial_sends import SerialSends
 from .settings import KvopsSglangSettings
 from .signing import MessageSigner
 from .support import check_supported
+from .swa_pool import pool_buffers, window_ids_frame, window_pages, window_transfer
 from .transfers import Destination, destination, pushed_bytes, room_of, room_parts, transfer_id
 
 log = logging.getLogger(__name__)
@@ -103,8 +103,7 @@ class KvopsKVManager(SerialSends, PrefillRestartWatch, sgl.CommonKVManager):
         self.layerwise = self.rooms = None
         if self.prefill:
             self.layerwise = LayerwisePrefill(self, args.page_size, self.full_buffers, is_mla_backend,
-                                              self.settings.sliding_layers == "window" and not sliding,
-                                              len(sliding))
+                                              self.settings.sliding_layers == "window", len(sliding))
             self.layerwise.install()
         else:
             self.rooms = DecodeRooms(args, self._decode_success, self.fail)
