@@ -257,17 +257,21 @@ def test_a_decode_server_with_its_radix_cache_gets_every_page_of_the_sliding_lay
     answer otherwise."""
     servers, model, sabotage = fleet
     servers.start(["D-radix", "router-radix"], 600)
-    router_serves_again(servers, model, router="router-radix")
-    held = count(prometheus.fetch(servers["P"].url), "decode_prefix_tokens")
-    assert _shared_starts(fleet, seed=47) == []
-    assert count(prometheus.fetch(servers["P"].url), "decode_prefix_tokens") >= held + 6 * 320
-    sabotage.set("window_to_caching_decode")
     try:
-        differ = _shared_starts(fleet, seed=48)
-    finally:
-        sabotage.set()
-    assert len(differ) >= 4, f"only second prompts {differ} of 6 answered otherwise"
-    assert _shared_starts(fleet, seed=49, n=2) == []  # and whole again
+        router_serves_again(servers, model, router="router-radix")
+        held = count(prometheus.fetch(servers["P"].url), "decode_prefix_tokens")
+        assert _shared_starts(fleet, seed=47) == []
+        assert count(prometheus.fetch(servers["P"].url), "decode_prefix_tokens") >= held + 6 * 320
+        sabotage.set("window_to_caching_decode")
+        try:
+            differ = _shared_starts(fleet, seed=48)
+        finally:
+            sabotage.set()
+        assert len(differ) >= 4, f"only second prompts {differ} of 6 answered otherwise"
+        assert _shared_starts(fleet, seed=49, n=2) == []  # and whole again
+    finally:  # their health checks would load the machine for the rest of the module
+        for name in ("router-radix", "D-radix"):
+            servers[name].stop()
 
 
 def test_by_head_a_sliding_layer_moves_its_window_only_too(fleet):
