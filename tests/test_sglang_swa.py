@@ -38,9 +38,9 @@ from torch_kvops.serving.sglang import SglangRouterSpec, SglangServerSpec, sglan
 
 from serving_fleet import workspace
 from sglang_sabotage import serving_env
-from sglang_fleet import (LANDED_IN_FORWARD, MAX_TOKENS, PAGE_SIZE, ROUTER_CHECKS, TP2, answers, count,
+from sglang_fleet import (LANDED_IN_FORWARD, MAX_TOKENS, PAGE_SIZE, ROUTER_CHECKS, answers, count,
                           differ_from_reference, fleet_env, pages_come_back, random_prompts,
-                          rooms_of_a_load, router_ready, router_serves_again, sabotage_changes_the_answers,
+                          router_ready, router_serves_again, sabotage_changes_the_answers,
                           serving)
 
 CHUNK = 256  # P's --chunked-prefill-size
@@ -81,12 +81,6 @@ def fleet():
             # (no retries: each of a failed room's retries waits out D's failure, ~20 s)
             servers.add(SglangRouterSpec("router-mixed", [p], [d_head], extra_args=ROUTER_CHECKS + [
                 "--disable-retries"]))
-            # and a prefill server at TP 2 (one KV head per rank) to D-head (TP 1)
-            tp2 = dict(same, env=dict(by_head["env"], SGLANG_CPU_OMP_THREADS_BIND="0|1",
-                                      **serving_env(os.path.join(tmp, "plugin-tp2"), "cpu_tp_groups")))
-            p_tp2 = servers.add(SglangServerSpec("P-tp2", model, role="prefill", extra_args=ONE_POOL + TP2 + [
-                "--chunked-prefill-size", str(CHUNK)], **tp2))
-            servers.add(SglangRouterSpec("router-tp2", [p_tp2], [d_head], extra_args=ROUTER_CHECKS))
             with serving(servers, ["P", "D", "ref"]):
                 yield servers, model, sabotage
 
@@ -151,12 +145,11 @@ def test_router_answers_equal_the_monolithic_server_and_prefill_pushes_each_laye
     pages_come_back(servers, ["P", "D"])
 
 
-def _windows_left_bytes_on_p(p: prometheus.Samples, tp: int = 1) -> None:
+def _windows_left_bytes_on_p(p: prometheus.Samples) -> None:
     """The sliding layers' pages before their window stayed on P (windows.py): half
-    the layers slide; prompts of 50-800 tokens, windows of 64: about 40% fewer bytes.
-    (Counted per rank, which holds ``1 / tp`` of the KV heads.)"""
+    the layers slide; prompts of 50-800 tokens, windows of 64: about 40% fewer bytes."""
     config = swa_model_config()
-    page_bytes = PAGE_SIZE * config["num_key_value_heads"] // tp * config["head_dim"] * 4  # float32
+    page_bytes = PAGE_SIZE * config["num_key_value_heads"] * config["head_dim"] * 4  # float32
     left, pushed = count(p, "window_pages_skipped") * page_bytes, count(p, "pushed_bytes")
     print(f"[sglang swa] {left:.0f} bytes of sliding layers' pages before their windows left on P, "
           f"{pushed:.0f} pushed: {left / (left + pushed):.1%} fewer")
@@ -297,33 +290,7 @@ def test_by_head_a_sliding_layer_moves_its_window_only_too(fleet):
         pages_come_back(servers, ["P-head", "D-head"])
         _a_fleet_that_mixes_units_fails_its_rooms_alone(fleet)
     finally:  # their health checks would load the machine for the rest of the module
-        for name in ("router-mixed", "router-head", "P-head"):
-            servers[name].stop()
-
-
-def test_by_head_windows_move_from_a_prefill_server_at_tp_2_to_a_decode_server_at_tp_1(fleet):
-    """P-tp2 (TP 2: one KV head per rank) to D-head (TP 1), by head: each prefill rank
-    pushes its head of the sliding layers' window pages only into D's tokens (the
-    window's first unit on each side's layout, transfers.py). Every answer equals the
-    reference's, D ended each room once both ranks' parts landed, and pages were left
-    on P. Negative control, in the suite: ``short_window`` with D's checks on: the
-    answers differ."""
-    servers, model, sabotage = fleet
-    servers.start([name for name in ("D-head", "P-tp2") if not servers[name].alive()], 600)
-    servers.start(["router-tp2"], 600)
-    try:
-        router_serves_again(servers, model, router="router-tp2")
-        ended = rooms_of_a_load(servers, model, 56, 8, "router-tp2", "P-tp2", "D-head", "sglang swa tp2")
-        assert ended["P-tp2"] >= 2 * 8 and ended["D-head"] >= 8, ended
-        p = prometheus.fetch(servers["P-tp2"].url)
-        _windows_left_bytes_on_p(p, tp=2)
-        with open(servers["P-tp2"].log_path) as f:
-            assert "moved by KV head (1 of 2)" in f.read()
-        sabotage_changes_the_answers(sabotage, ("short_window",), lambda: _differ(fleet, 57, router="router-tp2"))
-        assert _differ(fleet, seed=58, n=4, router="router-tp2")[0] == []  # and whole again
-        pages_come_back(servers, ["P-tp2", "D-head"])
-    finally:
-        for name in ("router-tp2", "P-tp2", "D-head"):
+        for name in ("router-mixed", "router-head", "P-head", "D-head"):
             servers[name].stop()
 
 
