@@ -5,8 +5,9 @@ window and full attention; prompts of 50-800 tokens).
 
 SGLang gives such a model a hybrid pool by default: full layers in one pool, sliding
 layers' last window in another, smaller one (a state pool, ``StateType.SWA``). The
-backend moves it (swa_pool.py): the full layers' pages in the forward, each room's
-window after it, as a transfer of its own (P-hybrid, D-hybrid). With
+backend moves it (swa_pool.py): the full layers' pages in the forward, and each
+room's window, a transfer of its own, in its last chunk's forward (P-hybrid,
+D-hybrid). With
 ``--disable-hybrid-swa-memory`` every layer is in the one KV pool (a sliding layer
 keeps every token, its attention still masked to the window), so P pushes each
 layer's pages as its forward writes them, of a sliding layer its window's only.
