@@ -71,10 +71,10 @@ class LayerLayout:
         """(address, length) of the memory to register for this layer."""
         return self.base, (self.num_blocks - 1) * self.block_stride + self.block_bytes
 
-    def holds(self, blocks: np.ndarray) -> bool:
-        """Whether every id of ``blocks`` names a block of this layer."""
-        return not blocks.size or bool(blocks.min() >= self.id_base
-                                       and blocks.max() < self.id_base + self.num_blocks)
+    def first_outside(self, blocks: np.ndarray) -> Optional[int]:
+        """The first id of ``blocks`` that names no block of this layer, if any."""
+        outside = blocks[(blocks < self.id_base) | (blocks >= self.id_base + self.num_blocks)]
+        return int(outside[0]) if outside.size else None
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,13 @@ class KVLayout:
     def num_ids(self) -> int:
         """Block ids run from 0 to this, over every space."""
         return max(layer.id_base + layer.num_blocks for layer in self.layers)
+
+    @property
+    def id_limit(self) -> int:
+        """Block ids a request may name are below this: without spaces, the fewest
+        blocks of any layer (every layer holds every id); with spaces, ``num_ids``
+        (each layer's own ids are checked apart, ``validate_step``)."""
+        return self.num_ids if self.spaced else min(layer.num_blocks for layer in self.layers)
 
     def to_json(self) -> List[dict]:
         return [layer.__dict__.copy() for layer in self.layers]
@@ -224,12 +231,8 @@ def _checked_blocks(req: TransferRequest, local: KVLayout,
     if src.shape != dst.shape:
         raise ValueError(f"request {req.req_id!r}: {src.size} source blocks but "
                          f"{dst.size} destination blocks")
-    # one space: every layer holds the ids below its smallest block count; several: the
-    # ids of all spaces, each layer's checked by _check_spaces
-    limits = [layout.num_ids if layout.spaced else min(layer.num_blocks for layer in layout.layers)
-              for layout in (local, peers[req.peer])]
-    _check_range(req.req_id, "source", src, limits[0], "locally")
-    _check_range(req.req_id, "destination", dst, limits[1], f"on peer {req.peer!r}")
+    _check_range(req.req_id, "source", src, local.id_limit, "locally")
+    _check_range(req.req_id, "destination", dst, peers[req.peer].id_limit, f"on peer {req.peer!r}")
     return src, dst
 
 
@@ -246,9 +249,8 @@ def _check_spaces(req: TransferRequest, src: np.ndarray, dst: np.ndarray, local:
         checked.add(key)
         for side, blocks, layer, where in (("source", src, mine, "locally"),
                                            ("destination", dst, theirs, f"on peer {req.peer!r}")):
-            if not layer.holds(blocks[first:]):
-                bad = next(int(b) for b in blocks[first:]
-                           if not layer.id_base <= b < layer.id_base + layer.num_blocks)
+            bad = layer.first_outside(blocks[first:])
+            if bad is not None:
                 raise ValueError(f"request {req.req_id!r}: {side} block {bad} is not a block of layer "
                                  f"{i} {where} (its ids: {layer.id_base} to "
                                  f"{layer.id_base + layer.num_blocks - 1}; name it from that "

@@ -90,8 +90,7 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity, BeginAdmission, ConsumerSca
         # Per session: destination block -> the owned in-flight request naming it.
         self._owned_blocks: Dict[Session, Dict[int, str]] = {}
         layout = layout or KVLayout.of(caches)
-        # block ids as producers name them: with block spaces, global (plan.KVLayout.of)
-        self._num_blocks = layout.num_ids if layout.spaced else min(c.size(0) for c in caches)
+        self._num_blocks = layout.id_limit  # block ids as producers name them (global with spaces)
         self._id_bases = layout.id_bases
         self._staging: Optional[ConsumerStaging] = None
         if can_stage:

@@ -19,8 +19,9 @@ def check_supported(args, server_args, mha_unit: str = "page", latent: bool = Fa
     if getattr(args, "num_draft_entries", 0):
         missing.append("speculative decoding's draft KV")
     states = [getattr(state, "value", state) for state in getattr(args, "state_types", None) or []]
-    if [s for s in states if s != SWA_STATE]:
-        missing.append(f"state pools {[s for s in states if s != SWA_STATE]}")
+    others = [s for s in states if s != SWA_STATE]
+    if others:
+        missing.append(f"state pools {others}")
     if SWA_STATE in states and (latent or mha_unit != "page"):
         # the hybrid pool's windows move by page (swa_pool.py), of MHA pools
         missing.append("a hybrid sliding-window pool " + ("of MLA" if latent else "with mha_unit "

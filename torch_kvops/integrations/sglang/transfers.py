@@ -47,17 +47,21 @@ class Destination:
             return transfer_id(room, self.session)
         return self.heads.part(room, self.session, self.part.decode_rank)
 
+    @property
+    def has_window(self) -> bool:
+        """Whether its hybrid pool holds a window of the room (swa_pool.py)."""
+        return self.window is not None and len(self.window) > 0
+
     def transfers(self, room: int) -> List[str]:
-        """Every transfer of the room to this rank: its pages, and its window where
-        its hybrid pool holds one (swa_pool.py)."""
+        """Every transfer of the room to this rank: its pages, and its window."""
         transfer = self.transfer(room)
-        return [transfer] + ([window_transfer(transfer)] if self.window is not None and len(self.window) else [])
+        return [transfer] + ([window_transfer(transfer)] if self.has_window else [])
 
     def window_request(self, room: int, src: Sequence[int]) -> Optional[TransferRequest]:
         """The transfer of the prefill's window pages ``src`` (block ids) into this
         rank's, None where it holds no window; ValueError when the two windows differ
         in length (the sides disagree on the room's tokens)."""
-        if self.window is None or not len(self.window):
+        if not self.has_window:
             return None
         if len(src) != len(self.window):
             raise ValueError(f"the prefill's window of room {room} is {len(src)} pages, decode rank "
