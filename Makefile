@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SOURCES := $(shell find csrc -type f) setup.py
 
-.PHONY: setup setup-vllm setup-sglang vllm-demo build test test-gpu demo bench cuda-check npu-check wheel-check clean
+.PHONY: setup setup-vllm setup-sglang test-setup main-env vllm-demo build test test-gpu demo bench cuda-check npu-check wheel-check clean
 
 setup: $(VENV)/.ready
 
@@ -33,7 +33,16 @@ torch_kvops/.built: $(SOURCES)
 	MAX_JOBS=2 $(PY) setup.py -q build_ext --inplace
 	touch $@
 
-test: build setup-vllm setup-sglang
+# The main environment (extension, then vLLM: its pip run must not change what the build
+# compiles against) and SGLang's share nothing, and most of each is waiting on the
+# package registry: set up side by side, they take about as long as the longer one.
+test-setup:
+	$(MAKE) -j2 main-env setup-sglang
+
+main-env: build
+	$(MAKE) setup-vllm
+
+test: test-setup
 	$(PY) -m pytest -q -n 2 --dist loadscope -m "not alone" tests
 	$(PY) -m pytest -q -m alone tests
 
