@@ -29,7 +29,7 @@ setup-sglang: $(SGLANG_VENV)/.ready
 $(SGLANG_VENV)/.ready: scripts/setup_sglang.sh requirements-sglang.txt $(SOURCES) $(PACKAGE)
 	SGLANG_VENV=$(SGLANG_VENV) bash scripts/setup_sglang.sh
 
-torch_kvops/.built: $(SOURCES)
+torch_kvops/.built: $(SOURCES) $(VENV)/.ready
 	MAX_JOBS=2 $(PY) setup.py -q build_ext --inplace
 	touch $@
 

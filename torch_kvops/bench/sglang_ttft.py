@@ -14,7 +14,9 @@ price that against whole pages. With ``--sliding-window W`` the model is the tes
 (layers alternating a W-token sliding window and full attention; every server with
 ``--disable-hybrid-swa-memory``), and ``kvops-all`` is the ``kvops`` backend pushing a
 sliding layer's every page (``"sliding_layers": "all"``) against its window only
-(``kvops``). An idle SGLang scheduler polls its sockets without sleeping
+(``kvops``). With ``--hybrid-pool`` too, every server keeps SGLang's hybrid pool (the
+sliding layers' windows in a pool of their own, SGLang's default for such models) and
+loads the test-only stand-in ``cpu_swa_reads`` (below). An idle SGLang scheduler polls its sockets without sleeping
 (a core each), so one setup runs at a time; the setups alternate in order over
 ``--cycles`` starts each. Every request is a prompt of its own (no prefix cache hit),
 streamed; TTFT = the client's send -> the first token's chunk. Every answer is checked
@@ -27,6 +29,9 @@ transfer reaches.
 
 SGLang's CPU engine needs two kernels of sgl_kernel that have no wheel on PyPI: the
 test-only stand-in (tests/sglang_standin, ``--standin``) is put on the servers' path.
+With ``--hybrid-pool``, its ``cpu_swa_reads`` is loaded as a plugin by every server alike
+(the monolithic one too): SGLang 0.5.23's CPU attention reads a hybrid pool's sliding
+layer at the wrong slots, and answers unlike ``transformers``' would fail every check.
 SGLang's mooncake backend records a ``torch.cuda.Event`` on P unless its sender's
 ``supports_host_tensor_indices`` is off: a plugin written into the run's directory turns
 it off in that P (the CPU workaround of ../shared/FIELD-NOTES.md).
@@ -80,6 +85,8 @@ def parse_args(argv: Optional[List[str]]):
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--sliding-window", type=int, default=0,
                     help="tokens; > 0: the test Mellum, even layers sliding (setup kvops-all too)")
+    ap.add_argument("--hybrid-pool", action="store_true",
+                    help="with --sliding-window: SGLang's hybrid pool (not --disable-hybrid-swa-memory)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per server")
     ap.add_argument("--standin", default=os.path.join(REPO, "tests", "sglang_standin"),
                     help="directory of the test-only sgl_kernel stand-in")
@@ -95,6 +102,9 @@ def parse_args(argv: Optional[List[str]]):
         ap.error(f"--setups: of {KNOWN_SETUPS}, with mono and mooncake")
     if "kvops-all" in args.setups and args.sliding_window <= 0:
         ap.error("--setups kvops-all: with --sliding-window")
+    if args.hybrid_pool and (args.sliding_window <= 0 or {"kvops-all", "kvops-head"} & set(args.setups)):
+        # a hybrid pool holds a sliding layer's window only; by head it is refused (docs/sglang.md)
+        ap.error("--hybrid-pool: with --sliding-window, without kvops-all and kvops-head")
     return args
 
 
@@ -122,10 +132,12 @@ def stream_ttft(url: str, model: str, prompt: str, new_tokens: int, timeout: flo
     return first, "".join(text)
 
 
-def add_setups(servers: Servers, model: str, args, plugin_dir: str) -> Dict[str, List]:
-    env = {"PYTHONPATH": args.standin, "OMP_NUM_THREADS": str(args.threads)}
-    cpu_mooncake = dict(env, PYTHONPATH=os.pathsep.join([plugin_dir, args.standin]))
-    same = dict(page_size=16, max_total_tokens=8192, extra_args=ONE_POOL if args.sliding_window else [])
+def add_setups(servers: Servers, model: str, args, plugin_dir: str, standin_dir: str) -> Dict[str, List]:
+    path = [standin_dir, args.standin] if args.hybrid_pool else [args.standin]
+    env = {"PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": str(args.threads)}
+    cpu_mooncake = dict(env, PYTHONPATH=os.pathsep.join([plugin_dir, *path]))
+    one_pool = args.sliding_window > 0 and not args.hybrid_pool
+    same = dict(page_size=16, max_total_tokens=8192, extra_args=ONE_POOL if one_pool else [])
     by_head = dict(env, KVOPS_SGLANG_CONFIG=json.dumps({"mha_unit": "head"}))
     every_page = dict(env, KVOPS_SGLANG_CONFIG=json.dumps({"sliding_layers": "all"}))
     envs = {"kvops": env, "kvops-head": by_head, "kvops-all": every_page, "mooncake": cpu_mooncake}
@@ -141,13 +153,16 @@ def add_setups(servers: Servers, model: str, args, plugin_dir: str) -> Dict[str,
     return fleets
 
 
-def write_plugin(directory: str) -> None:
-    """The CPU workaround for SGLang's mooncake backend, as an SGLang plugin."""
-    os.makedirs(directory)
-    with open(os.path.join(directory, "kvops_bench_cpu_mooncake.py"), "w") as f:
+def write_plugins(plugin_dir: str, standin_dir: str) -> None:
+    """As SGLang plugins: the CPU workaround for SGLang's mooncake backend, and the
+    test-only stand-in's hybrid-pool reads (put on the path with ``--hybrid-pool`` only)."""
+    os.makedirs(plugin_dir)
+    with open(os.path.join(plugin_dir, "kvops_bench_cpu_mooncake.py"), "w") as f:
         f.write(CPU_MOONCAKE_PLUGIN)
-    write_entry_point(directory, "kvops-bench-cpu-mooncake", "sglang.srt.plugins",
+    write_entry_point(plugin_dir, "kvops-bench-cpu-mooncake", "sglang.srt.plugins",
                       "kvops_bench_cpu_mooncake:install")
+    os.makedirs(standin_dir)
+    write_entry_point(standin_dir, "kvops-test-cpu_swa_reads", "sglang.srt.plugins", "cpu_swa_reads:install")
 
 
 def _wait_for_workers(url: str, model: str, timeout: float = 120.0) -> None:
@@ -280,17 +295,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     saved: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": vars(args),
                    "link": link.text, "link_bit_s": link.rate_bit_s, "logs": logs, "records": []}
     with tempfile.TemporaryDirectory(prefix="kvops-sglang-ttft-") as tmp:
-        model, plugin = os.path.join(tmp, "model"), os.path.join(tmp, "plugin")
+        model, plugin, standin = (os.path.join(tmp, name) for name in ("model", "plugin", "standin"))
         window = dict(swa=True, window=args.sliding_window) if args.sliding_window > 0 else {}
         config = write_serving_model(model, layers=args.layers, hidden=args.hidden, heads=args.heads,
                                      kv_heads=args.kv_heads, vocab=args.vocab,
                                      max_len=max(lengths) + args.new_tokens + 64, **window)
         saved["model"] = dict(config, kv_bytes_per_token=kv_bytes_per_token(config))
-        write_plugin(plugin)
+        write_plugins(plugin, standin)
         print(f"[sglang-ttft] {kv_bytes_per_token(config) // 1024} KiB of KV per token, link "
               f"{link.text}; logs in {logs}", file=sys.stderr, flush=True)
         with Servers(logs) as servers:
-            fleets = add_setups(servers, model, args, plugin)
+            fleets = add_setups(servers, model, args, plugin, standin)
             for cycle in range(args.cycles):
                 rng = random.Random(cycle)  # the same prompts for every setup of a cycle
                 prompts = {n: [random_prompt(n, args.vocab, rng) for _ in range(args.rounds)]
