@@ -4,7 +4,7 @@ the runs it must refuse (an answer unlike the monolithic server's, a D that comp
 prompt, a layer-wise P whose layers all landed after its forward)."""
 import pytest
 
-from torch_kvops.bench.sglang_ttft import check, render, summarize
+from torch_kvops.bench.sglang_ttft import check, parse_args, render, summarize
 
 
 def _saved(kvops_answer="a b", decode_prefill=0.0, landed=30.0) -> dict:
@@ -75,3 +75,16 @@ def test_with_sliding_layers_the_bound_counts_their_windows_only():
     assert row["kv_mib"] == pytest.approx(65536 * (8 * 1000 + 8 * 128) / 16 / 2**20)
     assert row["kvops-all_s"] == pytest.approx(2.7)
     assert "| P/D kvops layer-wise s | P/D kvops every sliding page s | bound s |" in render([row])
+
+
+def test_the_hybrid_pool_needs_a_sliding_window_and_moves_windows_only(capsys):
+    """``--hybrid-pool``: SGLang's hybrid pool holds a sliding layer's window only (no
+    ``kvops-all``) and the backend refuses it by head (no ``kvops-head``)."""
+    args = parse_args(["--sliding-window", "128", "--hybrid-pool"])
+    assert args.hybrid_pool and args.setups == ("mono", "kvops", "mooncake")
+    for argv in (["--hybrid-pool"],
+                 ["--sliding-window", "128", "--hybrid-pool", "--setups", "mono,kvops,kvops-all,mooncake"],
+                 ["--sliding-window", "128", "--hybrid-pool", "--setups", "mono,kvops-head,mooncake"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert "--hybrid-pool: with --sliding-window" in capsys.readouterr().err
