@@ -48,8 +48,10 @@ def _free_port_pair() -> int:
     raise RuntimeError("no pair of free ports")
 
 
-@pytest.mark.parametrize("case", ["dp", "post_to_rank0"])
-def test_a_data_parallel_prefill_instance_behind_vllm_router(case):
+@pytest.fixture(scope="module")
+def fleet():
+    """P (data parallel 2), D, the monolithic reference and vllm-router, for both tests
+    (the control only switches D's posting: a fleet each cost CI ~1.5 min more)."""
     with workspace("kvops-vllm-dp") as (tmp, model, log_dir, sabotage):
         with Servers(log_dir) as servers:
             common = dict(threads=1, shm_busy_loop_s=0.002)
@@ -65,34 +67,51 @@ def test_a_data_parallel_prefill_instance_behind_vllm_router(case):
             servers.start_all(900)
             client = LoadClient(os.path.join(log_dir, "load.log"))
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{p.spec.bootstrap_port}/query", timeout=10) as r:
-                    ranks = json.loads(r.read())
-                side = p.spec.side_channel_port
-                assert {k: v["kvops"]["side_channel"] for k, v in ranks.items()} == \
-                    {"0": f"127.0.0.1:{side}", "1": f"127.0.0.1:{side + 1}"}, ranks
-                assert ranks["0"]["engine_id"] != ranks["1"]["engine_id"]
-                args = dict(model=model, num_prompts=PROMPTS, input_len=INPUT_LEN, range_ratio=0.5,
-                            output_len=4, max_concurrency=4)
-                ref = client.run(servers["ref"].url, random_load_args(**args))
-                sabotage.set("post_to_rank0" if case == "post_to_rank0" else "")
-                got = client.run(servers["router"].url, random_load_args(**args))
-                assert not same_answers(got, ref), "answers differ from the monolithic reference"
-                d_samples = d.metrics()
-                local = prometheus.prompt_tokens(d_samples, "local_compute")
-                external = prometheus.prompt_tokens(d_samples, "external_kv_transfer")
-                p_samples = p.metrics()
-                pushed = {rank: prometheus.total(p_samples, "vllm:kvops_requests_finished_total", engine=rank)
-                          for rank in ("0", "1")}
-                print(f"{case}: D prompt tokens local {local:.0f}, from P {external:.0f}; "
-                      f"P pushes finished per DP rank {pushed}")
-                if case == "post_to_rank0":
-                    assert local > 4 * PROMPTS, ("every prompt's KV came from P although D posted to "
-                                                 "the wrong rank: the check guards nothing")
-                    return
-                assert local <= PROMPTS, f"D computed {local:.0f} prompt tokens itself"
-                assert external > 0
-                assert pushed["0"] > 0 and pushed["1"] > 0, f"a DP rank pushed nothing: {pushed}"
+                yield servers, model, sabotage, client
             finally:
                 client.close()
                 problems = servers.stop_all()
                 assert not problems, problems
+
+
+def _counts(servers) -> dict:
+    d_samples, p_samples = servers["D"].metrics(), servers["P"].metrics()
+    return {"local": prometheus.prompt_tokens(d_samples, "local_compute"),
+            "external": prometheus.prompt_tokens(d_samples, "external_kv_transfer"),
+            **{rank: prometheus.total(p_samples, "vllm:kvops_requests_finished_total", engine=rank)
+               for rank in ("0", "1")}}
+
+
+@pytest.mark.parametrize("case", ["dp", "post_to_rank0"])
+def test_a_data_parallel_prefill_instance_behind_vllm_router(fleet, case):
+    servers, model, sabotage, client = fleet
+    p = servers["P"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{p.spec.bootstrap_port}/query", timeout=10) as r:
+        ranks = json.loads(r.read())
+    side = p.spec.side_channel_port
+    assert {k: v["kvops"]["side_channel"] for k, v in ranks.items()} == \
+        {"0": f"127.0.0.1:{side}", "1": f"127.0.0.1:{side + 1}"}, ranks
+    assert ranks["0"]["engine_id"] != ranks["1"]["engine_id"]
+    # prompts of each case's own (D holds no prefix of the other case's)
+    args = dict(model=model, num_prompts=PROMPTS, input_len=INPUT_LEN, range_ratio=0.5,
+                output_len=4, max_concurrency=4, seed=0 if case == "dp" else 1)
+    ref = client.run(servers["ref"].url, random_load_args(**args))
+    before = _counts(servers)
+    sabotage.set("post_to_rank0" if case == "post_to_rank0" else "")
+    try:
+        got = client.run(servers["router"].url, random_load_args(**args))
+    finally:
+        sabotage.set()
+    assert not same_answers(got, ref), "answers differ from the monolithic reference"
+    after = _counts(servers)
+    local, external = after["local"] - before["local"], after["external"] - before["external"]
+    pushed = {rank: after[rank] - before[rank] for rank in ("0", "1")}
+    print(f"{case}: D prompt tokens local {local:.0f}, from P {external:.0f}; "
+          f"P pushes finished per DP rank {pushed}")
+    if case == "post_to_rank0":
+        assert local > 4 * PROMPTS, ("every prompt's KV came from P although D posted to "
+                                     "the wrong rank: the check guards nothing")
+        return
+    assert local <= PROMPTS, f"D computed {local:.0f} prompt tokens itself"
+    assert external > 0
+    assert pushed["0"] > 0 and pushed["1"] > 0, f"a DP rank pushed nothing: {pushed}"
