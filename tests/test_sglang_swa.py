@@ -19,6 +19,10 @@ hybrid pair runs a test-only stand-in (tests/sglang_standin/cpu_swa_reads.py): S
 slots but reads it at the full pool's, and 11 of 12 answers of a monolithic server
 differ from transformers' without it (0 of 12 with it, by hand). The fleet key and
 D's ``mac`` integrity check.
+
+Not in the suite since 2026-11-29, for CI's 90 minutes (docs/sglang.md keeps their
+results): a by-head pair (``"mha_unit": "head"``) moving windows only, and a fleet that
+mixes the two units failing its rooms alone; the TP 2 prefill server's windows.
 """
 from __future__ import annotations
 
@@ -41,8 +45,7 @@ from serving_fleet import workspace
 from sglang_sabotage import serving_env
 from sglang_fleet import (LANDED_IN_FORWARD, MAX_TOKENS, PAGE_SIZE, ROUTER_CHECKS, answers, count,
                           differ_from_reference, fleet_env, pages_come_back, random_prompts,
-                          router_ready, router_serves_again, sabotage_changes_the_answers,
-                          serving)
+                          router_serves_again, sabotage_changes_the_answers, serving)
 
 CHUNK = 256  # P's --chunked-prefill-size
 ONE_POOL = ["--disable-hybrid-swa-memory"]
@@ -73,15 +76,6 @@ def fleet():
             d_radix = servers.add(SglangServerSpec("D-radix", model, role="decode",
                                                    extra_args=ONE_POOL + [DECODE_RADIX], **same))
             servers.add(SglangRouterSpec("router-radix", [p], [d_radix], extra_args=ROUTER_CHECKS))
-            # and a prefill and a decode server moving KV by head, behind a router of their own
-            by_head = dict(same, env=fleet_env(tmp, mha_unit="head"))
-            p_head = servers.add(SglangServerSpec("P-head", model, role="prefill", extra_args=ONE_POOL + [
-                "--chunked-prefill-size", str(CHUNK)], **by_head))
-            d_head = servers.add(SglangServerSpec("D-head", model, role="decode", extra_args=ONE_POOL, **by_head))
-            servers.add(SglangRouterSpec("router-head", [p_head], [d_head], extra_args=ROUTER_CHECKS))
-            # (no retries: each of a failed room's retries waits out D's failure, ~20 s)
-            servers.add(SglangRouterSpec("router-mixed", [p], [d_head], extra_args=ROUTER_CHECKS + [
-                "--disable-retries"]))
             with serving(servers, ["P", "D", "ref"]):
                 yield servers, model, sabotage
 
@@ -266,47 +260,3 @@ def test_a_decode_server_with_its_radix_cache_gets_every_page_of_the_sliding_lay
     finally:  # their health checks would load the machine for the rest of the module
         for name in ("router-radix", "D-radix"):
             servers[name].stop()
-
-
-def test_by_head_a_sliding_layer_moves_its_window_only_too(fleet):
-    """``"mha_unit": "head"`` (what attention TP sizes that differ need; here TP 1 to TP
-    1): a unit is one KV head of one token, and a sliding layer's units of the pages
-    before its window stay on P as they do by page. Every answer equals the reference's
-    and pages were left on P. Negative control, in the suite: ``short_window`` on this
-    pair, with D's checks on: the answers differ."""
-    servers, model, sabotage = fleet
-    servers.start(["P-head", "D-head"], 600)
-    servers.start(["router-head"], 600)
-    try:
-        router_serves_again(servers, model, router="router-head")
-        assert _differ(fleet, seed=50, router="router-head")[0] == []
-        p = prometheus.fetch(servers["P-head"].url)
-        assert count(p, "chunks", label="forward") > 8
-        _windows_left_bytes_on_p(p)
-        assert not count(p, "rooms", label="failed")
-        with open(servers["D-head"].log_path) as f:
-            assert "moved by KV head (2 of 2)" in f.read()
-        sabotage_changes_the_answers(sabotage, ("short_window",), lambda: _differ(fleet, 51, router="router-head"))
-        assert _differ(fleet, seed=52, n=4, router="router-head")[0] == []  # and whole again
-        pages_come_back(servers, ["P-head", "D-head"])
-        _a_fleet_that_mixes_units_fails_its_rooms_alone(fleet)
-    finally:  # their health checks would load the machine for the rest of the module
-        for name in ("router-mixed", "router-head", "P-head", "D-head"):
-            servers[name].stop()
-
-
-def _a_fleet_that_mixes_units_fails_its_rooms_alone(fleet) -> None:
-    """P by page, D by head (``router-mixed``): a misconfigured fleet. Its rooms fail
-    with the setting named in P's log, no answer is made of wrong KV, both servers stay
-    up and give their pages back, and each serves its own fleet on."""
-    servers, model, _ = fleet
-    servers.start(["router-mixed"], 600)
-    router_ready(servers["router-mixed"])
-    failed = count(prometheus.fetch(servers["P"].url), "rooms", label="failed")
-    got = answers(servers["router-mixed"].url, model, random_prompts(seed=53, n=2))
-    assert all(a.startswith("<") for a in got), got
-    assert count(prometheus.fetch(servers["P"].url), "rooms", label="failed") >= failed + 2
-    with open(servers["P"].log_path) as f:
-        assert "set the same mha_unit on every server of the fleet" in f.read()
-    pages_come_back(servers, ["P", "D-head"])
-    assert _differ(fleet, seed=54, n=2)[0] == [] and _differ(fleet, seed=55, n=2, router="router-head")[0] == []
