@@ -31,8 +31,12 @@ BIG_FLEETS = {"test_sglang_decode_radix.py", "test_sglang_mla.py", "test_sglang_
               "test_serving_load.py", "test_serving_restarts.py", "test_vllm_dp.py", "test_vllm_tp.py",
               "test_vllm_mla.py", "netns"}
 # Each unit's seconds one after another on a 2-core Xeon with AMX, from stop 54's CI log
-# (the modules it did not reach, vllm_* after test_vllm_connector among them, estimated):
-# order only, never asserted.
+# (the modules it did not reach, vllm_* after test_vllm_connector among them, estimated),
+# the two build checks' from the full pre-run of 2026-11-29: they compile on both cores,
+# and so go first, beside test_sglang_pd.py, whose tests mostly wait (it took 825 s
+# beside them and other light modules, 804 s alone), rather than beside a fleet that
+# computes (test_sglang_mla.py took 665 s beside test_npu_build.py and others, 498 s in
+# an earlier run). Order only, never asserted.
 with open(os.path.join(os.path.dirname(__file__), "module_seconds.json")) as _f:
     UNIT_SECONDS = json.load(_f)
 
