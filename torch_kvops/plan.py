@@ -73,8 +73,10 @@ class LayerLayout:
 
     def first_outside(self, blocks: np.ndarray) -> Optional[int]:
         """The first id of ``blocks`` that names no block of this layer, if any."""
-        outside = blocks[(blocks < self.id_base) | (blocks >= self.id_base + self.num_blocks)]
-        return int(outside[0]) if outside.size else None
+        end = self.id_base + self.num_blocks
+        if not blocks.size or (blocks.min() >= self.id_base and blocks.max() < end):
+            return None  # every step's check: two reductions, no mask
+        return int(blocks[(blocks < self.id_base) | (blocks >= end)][0])
 
 
 @dataclass(frozen=True)

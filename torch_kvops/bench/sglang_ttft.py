@@ -18,8 +18,8 @@ sliding layer's every page (``"sliding_layers": "all"``) against its window only
 sliding layers' windows in a pool of their own, SGLang's default for such models) and
 loads the test-only stand-in ``cpu_swa_reads`` (below). An idle SGLang scheduler polls
 its sockets without sleeping (a core each), so one setup runs at a time; the setups
-alternate in order over ``--cycles`` starts each. Every request is a prompt of its own (no prefix cache hit),
-streamed; TTFT = the client's send -> the first token's chunk. Every answer is checked
+alternate in order over ``--cycles`` starts each. Every request is a prompt of its own
+(no prefix cache hit), streamed; TTFT = the client's send -> the first token's chunk. Every answer is checked
 against the monolithic server's (greedy), and D's own prefill counter must stay at 0.
 
 *bound* = max(prefill, prefill / layers + wire) per prompt length, with prefill = the
