@@ -7,8 +7,8 @@ as it gets in use) is marked recent in a private file, and every engine started 
 come out in the rest; the negative control marks three quarters, starts engines with
 the check switched off and sees some land on marked ports. The odds are chosen so that
 neither fails by chance: an engine of the first test lands on a marked port only after
-``MAX_PORT_DRAWS`` (8) marked draws in a row, 1 in 65,536, so 12 engines fail 1 run in
-5,000; the control fails by chance 1 run in 4**12 (16.8 million). Marking half, as this test first did, failed
+``MAX_PORT_DRAWS`` (8) marked draws in a row, 1 in 54,000, so 12 engines fail 1 run in
+4,500; the control fails by chance 1 run in 4**12 (16.8 million). Marking half, as this test first did, failed
 1 run in 21 (seen in CI: 8 marked draws in a row).
 """
 from __future__ import annotations
