@@ -2,14 +2,14 @@
 lately (transports/mooncake/ports.py): a producer keeps the earlier holder's segment
 under that address and could not write to the new one.
 
-Real Mooncake engines: a quarter of Mooncake's port range (the file's capacity, as full
-as it gets in use) is marked recent in a private file, and every engine started must
-come out in the rest; the negative control marks three quarters, starts engines with
-the check switched off and sees some land on marked ports. The odds are chosen so that
-neither fails by chance: an engine of the first test lands on a marked port only after
-``MAX_PORT_DRAWS`` (8) marked draws in a row, 1 in 54,000, so 12 engines fail 1 run in
-4,500; the control fails by chance 1 run in 4**12 (16.8 million). Marking half, as this test first did, failed
-1 run in 21 (seen in CI: 8 marked draws in a row).
+Real Mooncake engines: a quarter of Mooncake's port range (512 ports, what the file
+holds when full) is marked recent in a private file, and every engine started must come
+out in the rest. The negative control starts engines with the check switched off and
+sees some land in three quarters of the range. Neither fails by chance: an engine of the
+first test lands on a marked port only after ``MAX_PORT_DRAWS`` (8) marked draws in a
+row, 1 in 54,000, so 12 engines fail 1 run in 4,500; the control, 1 run in 4**12.
+Marking half, as this test first did, failed 1 run in 21 (seen in CI: 8 marked draws in
+a row).
 """
 from __future__ import annotations
 
