@@ -7,9 +7,10 @@ its transfers it still owes (side_channel/server.py) and has the workers renew t
 leases of those, so a request queued on a busy P is not given up on while P lives;
 the connector's ``max_wait_s`` bounds the renewals. A question that times out is a
 silence, not a death: on an overloaded host a live P can be seconds late. While P
-answered within the last lease, a silence renews what P last said it owed; a P silent
-for a whole lease, or one that refuses the connection, renews nothing, and its
-transfers end on their own term."""
+answered within the last lease, a silence renews every transfer D still waits on from
+it; a P silent for a whole lease, or one that refuses the connection, renews nothing,
+and its transfers end on their own term. An answer is P's word when it was asked: one
+computed before P settled a transfer may arrive after, and renews it once more."""
 from __future__ import annotations
 
 import logging
