@@ -58,14 +58,16 @@ def fleet():
             d = servers.add(SglangServerSpec("D", model, role="decode", **same))
             servers.add(SglangServerSpec("ref", model, role="monolithic", **same))
             servers.add(SglangRouterSpec("router", [p1, p2], [d], extra_args=checks))
-            # started by its test only: P3, a prefill server with another key (it waits
-            # 20 s for a destination that never comes), behind a router of its own that
-            # tries each request once (its rooms fail at D's lease; a retry waits again)
+            # P3, a prefill server with another key (it waits 20 s for a destination
+            # that never comes), started with the fleet (a lone start leaves a core
+            # idle while it imports) and stopped by its test; its router, which tries
+            # each request once (its rooms fail at D's lease; a retry waits again), is
+            # started by that test only
             p3 = servers.add(SglangServerSpec("P3", model, role="prefill", page_size=PAGE_SIZE, env=dict(
                 env, KVOPS_FLEET_KEY_FILE=key_file(tmp, "another.key"),
                 SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="20")))
             servers.add(SglangRouterSpec("foreign", [p3], [d], extra_args=checks + ["--disable-retries"]))
-            with serving(servers, ["P1", "P2", "D", "ref"]):
+            with serving(servers, ["P1", "P2", "D", "ref", "P3"]):
                 yield servers, model, sabotage
 
 
@@ -199,7 +201,6 @@ def test_a_prefill_server_with_another_fleet_key_moves_nothing(fleet):
     through P3's router fails (none is answered wrong, D decodes from no KV of P3's),
     D's pages come back, and the fleet answers right."""
     servers, model, _ = fleet
-    servers.start(["P3"])
     servers.start(["foreign"])
     try:
         router_ready(servers["foreign"])
