@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SOURCES := $(shell find csrc -type f) setup.py
 
-.PHONY: setup setup-vllm setup-sglang test-setup main-env vllm-demo build test test-gpu demo bench cuda-check npu-check wheel-check clean
+.PHONY: setup setup-vllm setup-sglang test-setup main-env vllm-demo build test test-quick test-vllm test-sglang test-full test-gpu demo bench cuda-check npu-check wheel-check clean
 
 setup: $(VENV)/.ready
 
@@ -30,7 +30,8 @@ $(SGLANG_VENV)/.ready: scripts/setup_sglang.sh requirements-sglang.txt $(SOURCES
 	SGLANG_VENV=$(SGLANG_VENV) bash scripts/setup_sglang.sh
 
 torch_kvops/.built: $(SOURCES) $(VENV)/.ready
-	MAX_JOBS=2 $(PY) setup.py -q build_ext --inplace
+	MAX_JOBS=2 bash scripts/phase.sh "the extension, built in place (torch_kvops/_C*.so)" \
+		$(PY) setup.py -q build_ext --inplace
 	touch $@
 
 # The main environment (extension, then vLLM: its pip run must not change what the build
@@ -42,15 +43,37 @@ test-setup:
 main-env: build
 	$(MAKE) setup-vllm
 
-# The modules that bound speeds (ALONE_MODULES in tests/module_scheduler.py), named so
-# that their run collects only them: collecting all of tests/ took 17 s of it
-ALONE_TESTS = $(shell $(PY) -c "import sys; sys.path.insert(0, 'tests'); \
-	from module_scheduler import ALONE_MODULES; print(*sorted('tests/' + m for m in ALONE_MODULES))")
+# The test tiers (docs/testing.md; which modules: tests/tiers.py, from each module's
+# markers). Each runs its modules on 2 workers (pytest-xdist; tests/module_scheduler.py
+# keeps big fleets apart), then those marked `alone` with nothing beside them. The
+# module lists are named, so a run collects only its own modules.
+TIER = $(PY) tests/tiers.py
+define run_tier
+	@modules="$$($(TIER) $(1))" && test -n "$$modules" || { echo "tier $(1): no modules (tests/tiers.py)"; exit 1; }; \
+	echo "[test-$(1)] $$(echo $$modules | wc -w) modules on 2 workers"; \
+	$(PY) -m pytest -q -n 2 --dist loadscope $$modules
+	@alone="$$($(TIER) $(1) --alone)" || exit 1; \
+	if [ -n "$$alone" ]; then echo "[test-$(1)] alone: $$alone"; $(PY) -m pytest -q $$alone; fi
+endef
 
+# the gate: README's test command and what CI runs (.ci/run)
 test: test-setup
-	$(PY) -m pytest -q -n 2 --dist loadscope -m "not alone" tests
-	@test -n "$(ALONE_TESTS)" || { echo "no modules named in ALONE_MODULES (tests/module_scheduler.py)"; exit 1; }
-	$(PY) -m pytest -q -m alone $(ALONE_TESTS)
+	$(call run_tier,gate)
+
+# every unit and process module in the main environment (no fleet, namespace or
+# compiler): what a contributor runs every few minutes
+test-quick: main-env
+	$(call run_tier,quick)
+
+# every module of one engine, and every module of all (today's whole suite)
+test-vllm: main-env
+	$(call run_tier,vllm)
+
+test-sglang: test-setup
+	$(call run_tier,sglang)
+
+test-full: test-setup
+	$(call run_tier,full)
 
 # GPU-only tests; run where a CUDA device exists (not in CI: CI has no GPU).
 test-gpu: build

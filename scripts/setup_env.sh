@@ -11,21 +11,19 @@ for lib in libibverbs.so.1 libnuma.so.1; do
   ldconfig -p | grep -q "$lib" || need_libs+=("$lib")
 done
 if [ "${#need_libs[@]}" -gt 0 ]; then
-  echo "[setup] installing Debian packages libibverbs1 libnuma1 (Mooncake needs ${need_libs[*]})"
   SUDO=""
   [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 libnuma1
+  bash scripts/phase.sh "Debian packages libibverbs1 libnuma1 (Mooncake needs ${need_libs[*]})" \
+    bash -c "$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 libnuma1"
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
-  echo "[setup] creating $VENV"
-  "$PYTHON" -m venv "$VENV"
+  bash scripts/phase.sh "virtual environment $VENV" "$PYTHON" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade "pip>=23"
-echo "[setup] installing torch==2.13.0 and dev requirements"
-"$VENV/bin/python" -m pip install -q "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q -r requirements-dev.txt
+bash scripts/phase.sh "torch 2.13.0 (CPU) in $VENV" "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+bash scripts/phase.sh "test and demo requirements (requirements-dev.txt: Mooncake, pytest...)" \
+  "$VENV/bin/python" -m pip install -q -r requirements-dev.txt
 # The package is used from the source tree (extension built in place).
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 echo "$PWD" > "$SITE/torch_kvops-src.pth"

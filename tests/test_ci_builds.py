@@ -8,6 +8,8 @@ import subprocess
 
 import pytest
 
+pytestmark = [pytest.mark.process, pytest.mark.build]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

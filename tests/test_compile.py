@@ -8,6 +8,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import torch_kvops  # noqa: F401
 from torch_kvops import LayerEvents
 
+pytestmark = [pytest.mark.unit]
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():

@@ -12,6 +12,8 @@ from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, 
 
 from torch_kvops.testing.consumer_process import ConsumerProcess
 
+pytestmark = [pytest.mark.process]
+
 LAYERS, BLOCKS, BLOCK_SHAPE = 4, 64, (2, 8, 16)  # 1 KiB blocks
 FAST = dict(transfer_timeout_s=3.0, max_retries=1, retry_backoff_s=0.02, lease_s=10.0,
             control_timeout_s=2.0, quarantine_s=0.1)

@@ -14,6 +14,8 @@ from torch_kvops.control import (MAX_HANDSHAKE_LINE, MAX_PENDING_HANDSHAKES, Con
 from torch_kvops.testing.consumer_process import ConsumerProcess
 from torch_kvops.testing.pushes import push_and_receive, push_step
 
+pytestmark = [pytest.mark.process]
+
 LAYERS, BLOCKS, BLOCK_SHAPE = 2, 32, (2, 8, 16)  # 1 KiB blocks
 FAST = dict(transfer_timeout_s=3.0, max_retries=1, retry_backoff_s=0.02, lease_s=10.0,
             control_timeout_s=2.0, quarantine_s=0.1)

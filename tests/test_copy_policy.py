@@ -10,6 +10,8 @@ import torch
 import torch_kvops
 from torch_kvops import _C
 
+pytestmark = [pytest.mark.process]
+
 K = _C._kernel_constants()
 KIB = 1024
 

@@ -12,6 +12,8 @@ import pytest
 from torch_kvops import demo
 from torch_kvops.transports.mooncake import MooncakeTransport
 
+pytestmark = [pytest.mark.netns]
+
 SMALL = ["--layers", "4", "--prompt-len", "256", "--repeats", "1", "--new-tokens", "4", "--no-compile",
          "--link", "none"]
 

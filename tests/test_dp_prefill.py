@@ -15,6 +15,8 @@ from torch_kvops.integrations.vllm.side_channel import DestinationPoster, Destin
 from torch_kvops.integrations.vllm.side_channel.bootstrap import BootstrapServer, rank_entry
 from torch_kvops.integrations.vllm.side_channel.dp_rank import RankRegistration, side_channel_port
 
+pytestmark = [pytest.mark.unit, pytest.mark.vllm]
+
 KEY = bytes(range(32))
 
 

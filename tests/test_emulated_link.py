@@ -17,6 +17,8 @@ from torch_kvops.emulated_link import (EmulatedLink, LinkError, LinkSpec, _names
                                        remove_stale_namespaces)
 from torch_kvops.testing.netns_host import NetnsHost
 
+pytestmark = [pytest.mark.netns, pytest.mark.alone]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT)
 

@@ -16,6 +16,8 @@ from torch_kvops.testing.stranger import read_from
 
 import pytest
 
+pytestmark = [pytest.mark.process]
+
 LAYERS, BLOCKS, BLOCK_SHAPE = 2, 8, (2, 4, 16)
 SECRET = 1.25  # P's cache holds this in every element
 FAST = dict(transfer_timeout_s=3.0, max_retries=1, lease_s=10.0, control_timeout_s=2.0)

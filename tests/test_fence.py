@@ -21,6 +21,8 @@ import pytest
 from torch_kvops.testing.consumer_process import ConsumerProcess
 from torch_kvops.testing.producer_process import ProducerProcess
 
+pytestmark = [pytest.mark.process]
+
 LAYERS, BLOCKS, BLOCK_SHAPE = 4, 32, (2, 8, 16)  # 1 KiB blocks
 # Contiguous blocks: one descriptor per layer, written straight into the consumer's KV
 # cache (a staged write is scattered by the consumer, which refuses revoked requests).

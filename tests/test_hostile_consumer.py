@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
 from torch_kvops.testing.consumer_process import HOSTILE, ConsumerProcess
 
+pytestmark = [pytest.mark.process]
+
 LAYERS, BLOCKS, BLOCK_SHAPE = 2, 64, (2, 8, 16)  # 1 KiB blocks: fragmented layers are staged
 CONFIG = dict(transfer_timeout_s=3.0, max_retries=0, control_timeout_s=2.0, lease_s=10.0,
               fence_drain_s=0.5, staging_slot_bytes=4 << 10, staging_slots=4)

@@ -22,6 +22,8 @@ from typing import Dict, List, Tuple
 
 import pytest
 
+pytestmark = [pytest.mark.unit]
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "torch_kvops"
 FILE_LINES = 450

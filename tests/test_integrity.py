@@ -21,6 +21,8 @@ from torch_kvops.connector import producer as producer_module
 from torch_kvops.connector.integrity import ChecksumDigester, MacDigester, integrity_key, make_digester
 from torch_kvops.testing.consumer_process import ConsumerProcess
 
+pytestmark = [pytest.mark.process]
+
 LAYERS, BLOCKS, BLOCK_SHAPE = 3, 64, (2, 8, 16)  # 1 KiB blocks
 BLOCK_BYTES = 2 * 8 * 16 * 4
 FAST = dict(transfer_timeout_s=3.0, max_retries=0, retry_backoff_s=0.02, lease_s=10.0,

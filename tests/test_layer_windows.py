@@ -16,6 +16,8 @@ from torch_kvops import TransferRequest
 from torch_kvops.plan import KVLayout, validate_step
 
 from test_integrity import BLOCK_BYTES, BLOCK_SHAPE, BLOCKS, LAYERS, PATHS, linked
+
+pytestmark = [pytest.mark.process]
 # two chunks of request "r"; per chunk, layer -> the first block it moves
 CHUNKS = [([0, 1, 2, 3], [10, 11, 12, 13], {0: 3, 2: 4}, False),
           ([7, 30, 31], [20, 40, 41], {0: 1}, True)]

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.process]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MAKE_ENGINE = "from torch_kvops import MooncakeTransport; MooncakeTransport(host='127.0.0.1').close()"

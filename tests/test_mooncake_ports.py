@@ -21,6 +21,8 @@ import pytest
 from torch_kvops.transports.mooncake.engine import load_engine_class, start_engine
 from torch_kvops.transports.mooncake.ports import CAPACITY, RecentPorts
 
+pytestmark = [pytest.mark.process]
+
 MOONCAKE_PORTS = range(15000, 17000)  # where Mooncake draws its handshake port (seen)
 MARKED = range(15000, 15000 + CAPACITY)  # a quarter: the file at its capacity
 MARKED_FOR_CONTROL = range(15000, 16500)  # three quarters

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 
+pytestmark = [pytest.mark.process, pytest.mark.build]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.path.join(ROOT, ".npu-check", "build")
 

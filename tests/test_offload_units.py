@@ -18,6 +18,8 @@ from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, 
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.gpu_worker import compute_sub_block_ptrs
 
+pytestmark = [pytest.mark.unit, pytest.mark.vllm]
+
 SENTINEL = 0x5A
 
 

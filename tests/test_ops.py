@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 import torch_kvops  # noqa: F401  registers torch.ops.kvops
 from torch_kvops import LayerEvents
 
+pytestmark = [pytest.mark.unit]
+
 
 def make_layers(num_layers, num_blocks, block_shape, dtype=torch.float32, fill=True):
     def one():

@@ -9,6 +9,8 @@ import pytest
 
 from torch_kvops.bench import __main__ as bench_main
 
+pytestmark = [pytest.mark.unit]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -19,6 +19,8 @@ from torch_kvops.testing.paged_llama import (
     tiny_config,
 )
 
+pytestmark = [pytest.mark.unit]
+
 
 def _prompt(n, seed, vocab=256):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

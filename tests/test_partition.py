@@ -20,6 +20,8 @@ from torch_kvops.integrations.vllm.metrics import StatsCollector
 from torch_kvops.testing.consumer_process import ConsumerProcess
 from torch_kvops.testing.netns_host import NetnsHost
 
+pytestmark = [pytest.mark.netns]
+
 LAYERS, BLOCKS, BLOCK_SHAPE = 2, 32, (2, 8, 16)
 CONFIG = dict(transfer_timeout_s=2.0, max_retries=0, control_timeout_s=1.5, lease_s=5.0,
               fence_drain_s=2.0, step_timeout_s=10.0)

@@ -9,6 +9,8 @@ import pytest
 
 from torch_kvops.bench.peer_churn import churn
 
+pytestmark = [pytest.mark.process]
+
 RESTARTS = 8  # python -m torch_kvops.bench.peer_churn runs 50
 
 

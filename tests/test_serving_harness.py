@@ -25,6 +25,8 @@ from torch_kvops.serving.ports import free_port, listens_on
 from torch_kvops.serving.servers import REAPER, ServerError, Servers, ServerSpec, merged
 from torch_kvops.serving.upstreams import Instance, Pool, parse_instances
 
+pytestmark = [pytest.mark.fleet, pytest.mark.vllm]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 

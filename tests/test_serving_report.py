@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from torch_kvops.bench import serving_report
 from torch_kvops.bench.serving_sweep import kv_bytes_per_token, parse_args, prompts_for
+
+pytestmark = [pytest.mark.unit]
 
 
 def _rec(config: str, rate: float, ttft: float, tpot: float, goodput: float, **extra) -> dict:

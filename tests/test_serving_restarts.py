@@ -16,6 +16,8 @@ import os
 import time
 from collections import Counter
 
+import pytest
+
 from serving_fleet import SPIN_S, same_answers, workspace
 from torch_kvops.serving import prometheus
 from torch_kvops.serving.load import LoadClient, random_load_args
@@ -23,6 +25,8 @@ from torch_kvops.serving.servers import ProxySpec, Servers, ServerSpec
 from torch_kvops.testing.consumer_process import process_resources
 
 from vllm_sabotage import serving_env
+
+pytestmark = [pytest.mark.fleet, pytest.mark.vllm]
 
 RESTARTS = 5
 LOAD = dict(num_prompts=6, input_len=300, range_ratio=0.5, seed=41)  # 150-450 tokens

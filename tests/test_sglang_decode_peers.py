@@ -25,6 +25,8 @@ from torch_kvops.testing.consumer_process import ConsumerProcess
 import test_decode_links
 from test_decode_links import BLOCK_SHAPE, BLOCKS, CONFIG, LAYERS, _dropping_info
 
+pytestmark = [pytest.mark.netns, pytest.mark.sglang]
+
 # the fixtures of test_decode_links: a producer connector, an address that drops every packet
 producer, dropping_address = test_decode_links.producer, test_decode_links.dropping_address
 

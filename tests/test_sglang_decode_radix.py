@@ -26,6 +26,8 @@ from serving_fleet import workspace
 from sglang_fleet import (PAGE_SIZE, ROUTER_CHECKS, answers, count, fleet_env, pages_come_back,
                           random_prompts, router_serves_again, sabotage_changes_the_answers, serving)
 
+pytestmark = [pytest.mark.fleet, pytest.mark.sglang]
+
 CHUNK = 256  # P's --chunked-prefill-size
 DECODE_RADIX = ["--disaggregation-decode-enable-radix-cache"]
 EARLY_SEND = {"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "1"}

@@ -30,6 +30,8 @@ from sglang_fleet import (LANDED_IN_FORWARD, PAGE_SIZE, ROUTER_CHECKS, answers, 
                           differ_from_reference, fleet_env, pages_come_back, random_prompts,
                           router_ready, router_serves_again, sabotage_changes_the_answers, serving)
 
+pytestmark = [pytest.mark.fleet, pytest.mark.sglang]
+
 CHUNK = 256  # P's --chunked-prefill-size; prompts are 50-800 tokens
 
 

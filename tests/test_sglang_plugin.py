@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+
 from torch_kvops.serving.sglang import sglang_python
+
+pytestmark = [pytest.mark.process, pytest.mark.sglang]
 
 
 def _in_sglang(code: str) -> subprocess.CompletedProcess:

@@ -26,6 +26,8 @@ from sglang_fleet import (PAGE_SIZE, ROUTER_CHECKS, add_tp2_servers, count, diff
                           pages_come_back, rooms_of_a_load, router_ready, sabotage_changes_the_answers,
                           serving)
 
+pytestmark = [pytest.mark.fleet, pytest.mark.sglang]
+
 CHUNK = 256  # P's --chunked-prefill-size; prompts are 50-800 tokens
 N = 8
 

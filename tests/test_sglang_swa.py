@@ -47,6 +47,8 @@ from sglang_fleet import (LANDED_IN_FORWARD, MAX_TOKENS, PAGE_SIZE, ROUTER_CHECK
                           differ_from_reference, fleet_env, pages_come_back, random_prompts,
                           router_serves_again, sabotage_changes_the_answers, serving)
 
+pytestmark = [pytest.mark.fleet, pytest.mark.sglang]
+
 CHUNK = 256  # P's --chunked-prefill-size
 ONE_POOL = ["--disable-hybrid-swa-memory"]
 DECODE_RADIX = "--disaggregation-decode-enable-radix-cache"

@@ -29,6 +29,8 @@ from sglang_fleet import (LANDED_IN_FORWARD, PAGE_SIZE, ROUTER_CHECKS, add_tp2_s
                           router_ready, router_serves_again, rooms_of_a_load,
                           sabotage_changes_the_answers, serving)
 
+pytestmark = [pytest.mark.fleet, pytest.mark.sglang]
+
 CHUNK = 256  # P's --chunked-prefill-size; prompts are 50-800 tokens
 
 

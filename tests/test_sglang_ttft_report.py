@@ -6,6 +6,8 @@ import pytest
 
 from torch_kvops.bench.sglang_ttft import check, parse_args, render, summarize
 
+pytestmark = [pytest.mark.unit, pytest.mark.sglang]
+
 
 def _saved(kvops_answer="a b", decode_prefill=0.0, landed=30.0) -> dict:
     records = []

@@ -30,6 +30,8 @@ from torch_kvops.integrations.sglang.transfers import Destination, destination, 
 
 from conftest import FLEET_KEY as KEY  # key_file (the fixture) holds it
 
+pytestmark = [pytest.mark.unit, pytest.mark.sglang]
+
 ROUTED = "198.18.0.1"  # an address beyond this host (is_loopback needs no interface)
 
 

@@ -24,6 +24,8 @@ from torch_kvops.connector.peer_step import InlinePeerStep
 from torch_kvops.testing.consumer_process import ConsumerProcess
 from torch_kvops.testing.netns_host import NetnsHost
 
+pytestmark = [pytest.mark.netns, pytest.mark.alone]
+
 LAYERS, BLOCKS, BLOCK_SHAPE = 4, 32, (2, 8, 256)  # 16 KiB blocks
 SRC_GOOD, SRC_SLOW, DST = list(range(0, 8)), list(range(8, 16)), list(range(16, 24))
 SLOW_LINK_BIT_S = 1_000_000  # 8 blocks per layer: ~1.05 s per layer write to the slow consumer

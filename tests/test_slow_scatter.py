@@ -24,6 +24,8 @@ from torch_kvops.control import ControlClient
 from torch_kvops.testing.pushes import push_step
 from torch_kvops.testing.consumer_process import ConsumerProcess
 
+pytestmark = [pytest.mark.process, pytest.mark.alone]
+
 LAYERS, BLOCKS, BLOCK_SHAPE = 2, 32, (2, 8, 256)  # 16 KiB blocks
 CONFIG = dict(transfer_timeout_s=5.0, max_retries=0, control_timeout_s=10.0, lease_s=30.0,
               fence_drain_s=0.2)

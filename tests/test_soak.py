@@ -15,10 +15,13 @@ import random
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
 from torch_kvops.testing.consumer_process import ConsumerProcess, process_resources
+
+pytestmark = [pytest.mark.process]
 
 SOAK_STEPS, KILL_AT, WARM_UP = 300, 100, 140
 LAYERS, SRC_BLOCKS, DST_BLOCKS, BLOCK_SHAPE = 2, 512, 6144, (2, 8, 16)  # 1 KiB blocks

@@ -16,7 +16,11 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+
 from torch_kvops.testing.emulated_hosts import EmulatedHosts
+
+pytestmark = [pytest.mark.netns, pytest.mark.vllm, pytest.mark.fleet]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -18,6 +18,8 @@ from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, 
 from torch_kvops.heads import expected_parts, part_id, plan_parts, rank_heads
 from torch_kvops.testing.consumer_process import ConsumerProcess
 
+pytestmark = [pytest.mark.process]
+
 LAYERS, BLOCKS, BLOCK_SIZE, HEAD_DIM, KV_HEADS = 2, 8, 4, 8, 4
 SRC, DST = [0, 3, 5], [6, 1, 2]
 CONFIG = dict(transfer_timeout_s=5.0, lease_s=30.0)

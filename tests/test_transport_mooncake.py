@@ -23,6 +23,8 @@ import types
 import numpy as np
 import pytest
 
+pytestmark = [pytest.mark.process, pytest.mark.alone]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUARD = 0xA5
 TEST_HARD_TIMEOUT_S = 90

@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = [pytest.mark.fleet, pytest.mark.vllm]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT_LENS = [33, 517, 1100]  # 1100 > 3 x the budget: four prefill chunks on P
 BUDGET = 320  # not a multiple of the block size: chunk boundaries cut blocks

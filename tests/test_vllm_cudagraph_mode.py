@@ -12,6 +12,8 @@ from vllm.platforms import current_platform
 
 from torch_kvops.integrations.vllm import connector as connector_module
 
+pytestmark = [pytest.mark.unit, pytest.mark.vllm]
+
 
 def _cudagraph_mode(kv_role: str):
     with mock.patch.object(type(current_platform), "support_static_graph_mode",

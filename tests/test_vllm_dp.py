@@ -28,6 +28,8 @@ from torch_kvops.serving.servers import RouterSpec, Servers, ServerSpec
 from serving_fleet import same_answers, workspace
 from vllm_sabotage import serving_env
 
+pytestmark = [pytest.mark.fleet, pytest.mark.vllm]
+
 PROMPTS, INPUT_LEN = 12, 200
 
 

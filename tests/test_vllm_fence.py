@@ -25,6 +25,8 @@ from torch_kvops.serving import offline
 from torch_kvops.testing.hf_model import write_context_model
 from vllm_sabotage import Switch
 
+pytestmark = [pytest.mark.fleet, pytest.mark.vllm]
+
 BLOCK, BUDGET = 32, 256
 A_LEN = 700  # 22 blocks: D's whole pool; three chunks on P
 B_LEN, B_NEW = 576, 128  # 18 + 4 blocks: every block A held

@@ -16,6 +16,8 @@ from torch_kvops.integrations.vllm.kv_layout import HEAD_MAJOR
 from torch_kvops.integrations.vllm.metadata import KvopsSettings, PushReq
 from torch_kvops.integrations.vllm.worker_producer import ProducerWorker
 
+pytestmark = [pytest.mark.unit, pytest.mark.vllm]
+
 BLOCKS, HEADS, TOKENS, CONTENT = 8, 4, 16, 32
 KVOPS = KVTransferConfig(kv_connector="KvopsLayerwiseConnector",
                          kv_connector_module_path="torch_kvops.integrations.vllm", kv_role="kv_producer")

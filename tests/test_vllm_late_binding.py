@@ -20,6 +20,8 @@ from torch_kvops.serving import offline  # noqa: E402  (in-process engine harnes
 from torch_kvops.testing.hf_model import write_context_model  # noqa: E402
 from vllm_sabotage import Switch  # noqa: E402
 
+pytestmark = [pytest.mark.fleet, pytest.mark.vllm]
+
 PROMPT_LEN = 700  # three chunks of BUDGET tokens on P
 BUDGET = 256
 NEW_TOKENS = 4

@@ -17,6 +17,8 @@ from torch_kvops.integrations.vllm.params import (
     BadTransferParams, decode_params, prefill_params)
 from torch_kvops.integrations.vllm.scheduler import ConsumerScheduler, ProducerScheduler
 
+pytestmark = [pytest.mark.unit, pytest.mark.vllm]
+
 
 class _Request:
     def __init__(self, req_id, params, prompt):

@@ -5,10 +5,13 @@ import functools
 import json
 from types import SimpleNamespace
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from torch_kvops.integrations.vllm import KvopsLayerwiseConnector
 from torch_kvops.integrations.vllm.metrics import KvopsConnectorStats, StatsCollector
+
+pytestmark = [pytest.mark.unit, pytest.mark.vllm]
 
 
 class _Counters:

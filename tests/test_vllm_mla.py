@@ -27,6 +27,8 @@ from torch_kvops.integrations.vllm.tp import latent_share  # noqa: E402
 from torch_kvops.testing.mla_model import KV_LORA_RANK, QK_ROPE_HEAD_DIM, write_mla_model  # noqa: E402
 from vllm_sabotage import Switch  # noqa: E402  (tests/, on sys.path under pytest)
 
+pytestmark = [pytest.mark.fleet, pytest.mark.vllm]
+
 LAYERS = 2
 BLOCK_SIZE = 16  # CPU_MLA's
 BLOCK_BYTES = BLOCK_SIZE * (KV_LORA_RANK + QK_ROPE_HEAD_DIM) * 4  # fp32

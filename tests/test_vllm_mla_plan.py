@@ -9,6 +9,8 @@ import pytest
 from torch_kvops.heads import part_id
 from torch_kvops.integrations.vllm.tp import check_tp, latent_expected_parts, latent_parts, latent_segment
 
+pytestmark = [pytest.mark.unit, pytest.mark.vllm]
+
 
 @pytest.mark.parametrize("total,p_tp,d_tp", list(itertools.product(range(0, 10), [1, 2, 3, 4], [1, 2, 4])))
 def test_every_decode_rank_gets_every_block_once_and_prefill_ranks_share_it(total, p_tp, d_tp):

@@ -34,6 +34,8 @@ from torch_kvops.integrations.vllm.probes import counter_total  # noqa: E402
 from torch_kvops.testing.hf_model import write_context_model  # noqa: E402
 from vllm_sabotage import Switch  # noqa: E402  (tests/, on sys.path under pytest)
 
+pytestmark = [pytest.mark.fleet, pytest.mark.vllm]
+
 PROMPT_LENS = [300, 700]  # chunked at the budget: blocks cut by chunk boundaries
 BUDGET = 256
 NEW_TOKENS = 6

@@ -14,6 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import vllm_offload_engine as run  # noqa: E402  (constants of the engine script)
 
+pytestmark = [pytest.mark.fleet, pytest.mark.vllm]
+
 FULL_BLOCKS = run.PROMPT_LEN // run.BLOCK_SIZE  # only full blocks are cached and offloaded
 # bytes of one block over all layers: K and V, block_size tokens, kv_heads x head_dim, fp32
 BLOCK_BYTES = (run.MODEL["layers"] * 2 * run.BLOCK_SIZE * run.MODEL["kv_heads"]

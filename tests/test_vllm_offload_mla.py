@@ -22,6 +22,8 @@ import vllm_offload_mla_engine as run  # noqa: E402  (constants of the engine sc
 
 from torch_kvops.testing.mla_model import KV_LORA_RANK, QK_ROPE_HEAD_DIM  # noqa: E402
 
+pytestmark = [pytest.mark.fleet, pytest.mark.vllm]
+
 
 def _block_bytes(block_size: int) -> int:
     return run.LAYERS * block_size * (KV_LORA_RANK + QK_ROPE_HEAD_DIM) * 2  # bf16, all layers

@@ -18,6 +18,8 @@ from torch_kvops.integrations.vllm.probes import counter_total  # noqa: E402
 from torch_kvops.testing.hf_model import write_context_model  # noqa: E402
 from vllm_sabotage import Switch  # noqa: E402  (tests/, on sys.path under pytest)
 
+pytestmark = [pytest.mark.fleet, pytest.mark.vllm]
+
 PROMPT_LENS = [700, 900, 800, 1000, 600, 750]
 P_BLOCKS = 48  # of 32 tokens: the two longest prompts need 60
 NEW_TOKENS = 4

@@ -21,6 +21,8 @@ from torch_kvops.serving import offline  # noqa: E402  (in-process engine harnes
 from torch_kvops.integrations.vllm.probes import counter_total  # noqa: E402
 from torch_kvops.testing.hf_model import write_context_model  # noqa: E402
 
+pytestmark = [pytest.mark.fleet, pytest.mark.vllm]
+
 BUDGET = 256
 PROMPT_LENS = [200, 700]  # 700: three chunks, boundaries inside blocks
 NEW_TOKENS = 5

@@ -9,6 +9,8 @@ import torch
 from torch_kvops.heads import HeadSlice, expected_parts, part_id, plan_parts, rank_heads, source_rank
 from torch_kvops.integrations.vllm.tp import check_tp
 
+pytestmark = [pytest.mark.unit, pytest.mark.vllm]
+
 BLOCKS, BLOCK_SIZE, HEAD = 6, 4, 8
 
 

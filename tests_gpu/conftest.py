@@ -28,3 +28,9 @@ def cycles_per_ms():
     end.record()
     end.synchronize()
     return 20_000_000 / max(start.elapsed_time(end), 1e-3)
+
+
+def pytest_collection_modifyitems(items):
+    """Every test here needs a CUDA device: the ``gpu`` marker (docs/testing.md)."""
+    for item in items:
+        item.add_marker(pytest.mark.gpu)
