@@ -342,8 +342,8 @@ def test_wait_for_finished_wakes_when_a_transfer_lands_and_not_without_one(consu
     as the SGLang backend's) it waits while nothing is in flight too, and wakes when a
     transfer started meanwhile ends."""
     conn, caches = producer
-    woke, waited = consumer.call("wait_for_finished", 2.0)
-    assert woke is False and waited < 0.1  # nothing expected: no wait
+    woke, waited = consumer.call("wait_for_finished", 10.0)
+    assert woke is False and waited < 5.0  # nothing expected: returns, not at its timeout
     assert conn.wait_for_finished(2.0) is False  # nothing pushed: no wait
     started = time.monotonic()
     assert conn.wait_for_finished(0.3, while_idle=True) is False

@@ -103,7 +103,10 @@ def test_a_dropping_decode_rank_delays_no_other_ranks_rooms(case, producer, drop
         if case == "inline":  # the control: the healthy rank waited for the dropping one
             assert good_at - started >= CONFIG["control_timeout_s"]
             return
-        assert registered < 0.2, f"registering the dropping rank held the receive thread {registered:.2f} s"
+        # an inline connection holds registration for the whole connect timeout (the
+        # control's case): a quarter of it is far more than handing one over takes
+        assert registered < CONFIG["control_timeout_s"] / 4, \
+            f"registering the dropping rank held the receive thread {registered:.2f} s"
         assert good_at - started < ROOM_BOUND_S, f"the healthy rank's room waited {good_at - started:.2f} s"
         assert failed_at - started >= CONFIG["control_timeout_s"]  # its attempt ran its course
         assert attempts.count(dropping["engine_id"]) == 1, attempts  # one attempt at a time
