@@ -33,91 +33,96 @@ MARKERS = KINDS | {"vllm", "sglang", "build", "gpu", "alone"}
 
 # The gate (`make test`, what CI runs): every unit, process and netns module, and per
 # engine the one fleet that shows its main path end to end. Seconds: each module's
-# wall time in the pre-run of 2026-12-07 (a fresh clone's `CI=true bash .ci/run` on a
-# 2-core AMD EPYC without AMX, 23 GiB; the 2-worker step), the alone modules' from its
-# alone step. They order the schedule (heaviest first) and keep the budget
+# wall time (its `[module time]` line) in the pre-run of 2026-12-07 (a fresh clone's
+# `CI=true bash .ci/run` on a 2-core AMD EPYC without AMX, 23 GiB: set-up 525 s, the
+# 2-worker step 1,545 s, the alone step 198 s, 2,267 s in all), the alone modules'
+# from its alone step. They order the schedule (heaviest first) and keep the budget
 # (tests/test_tiers.py); a module added to the gate adds its seconds here.
 GATE_SECONDS: Dict[str, float] = {
-    "test_sglang_pd.py": 520,  # 2P1D behind sglang-router: answers, a corruption control, SIGKILL of D
-    "test_serving_load.py": 330,  # vllm serve P/D behind vllm-router under vLLM's load client, SIGKILL of D
-    "test_ci_builds.py": 311,
-    "test_npu_build.py": 219,
-    "test_hostile_consumer.py": 178,
-    "test_fence.py": 147,
-    "test_connector.py": 108,
-    "test_peer_churn.py": 87,
-    "test_integrity.py": 81,
-    "test_three_hosts.py": 60,
-    "test_soak.py": 60,
-    "test_sglang_plugin.py": 58,
-    "test_mooncake_ports.py": 41,
-    "test_control_trust.py": 38,
-    "test_admission.py": 33,
-    "test_demo.py": 30,
-    "test_layer_windows.py": 30,
-    "test_tp_reshard.py": 30,
-    "test_decode_links.py": 30,
-    "test_side_channel.py": 29,
-    "test_exposure.py": 25,
-    "test_paged_llama.py": 24,
-    "test_partition.py": 21,
-    "test_sglang_decode_peers.py": 21,
-    "test_mooncake_log.py": 16,
-    "test_compile.py": 15,
+    "test_sglang_pd.py": 411,  # 2P1D behind sglang-router: answers, a corruption control, SIGKILL of D
+    "test_serving_load.py": 368,  # vllm serve P/D behind vllm-router under vLLM's load client, SIGKILL of D
+    "test_ci_builds.py": 588,
+    "test_npu_build.py": 227,
+    "test_hostile_consumer.py": 177,
+    "test_fence.py": 155,
+    "test_connector.py": 179,
+    "test_peer_churn.py": 95,
+    "test_integrity.py": 79,
+    "test_three_hosts.py": 176,
+    "test_soak.py": 12,
+    "test_sglang_plugin.py": 78,
+    "test_mooncake_ports.py": 27,
+    "test_control_trust.py": 41,
+    "test_admission.py": 40,
+    "test_demo.py": 28,
+    "test_layer_windows.py": 28,
+    "test_tp_reshard.py": 60,
+    "test_decode_links.py": 16,
+    "test_side_channel.py": 26,
+    "test_exposure.py": 27,
+    "test_paged_llama.py": 40,
+    "test_partition.py": 35,
+    "test_sglang_decode_peers.py": 26,
+    "test_mooncake_log.py": 19,
+    "test_compile.py": 10,
     "test_block_spaces.py": 15,
-    "test_vllm_integration_units.py": 10,
-    "test_vllm_kv_layout.py": 30,
-    "test_vllm_cudagraph_mode.py": 40,
-    "test_vllm_metrics.py": 40,
-    "test_vllm_late_binding_units.py": 5,
-    "test_vllm_mla_plan.py": 5,
-    "test_vllm_tp_plan.py": 5,
+    "test_vllm_integration_units.py": 9,
+    "test_vllm_kv_layout.py": 6,
+    "test_vllm_cudagraph_mode.py": 0,
+    "test_vllm_metrics.py": 0,
+    "test_vllm_late_binding_units.py": 18,
+    "test_vllm_mla_plan.py": 0,
+    "test_vllm_tp_plan.py": 0,
     "test_copy_policy.py": 3,
     "test_dp_prefill.py": 2,
     "test_ops.py": 2,
     "test_block_digests.py": 1,
-    "test_house.py": 1,
-    "test_packaging.py": 1,
-    "test_serving_report.py": 1,
+    "test_house.py": 2,
+    "test_packaging.py": 2,
+    "test_serving_report.py": 0,
     "test_sglang_units.py": 1,
-    "test_tiers.py": 1,
+    "test_tiers.py": 11,
     "test_addresses.py": 0,
     "test_offload_units.py": 0,
     "test_sglang_ttft_report.py": 0,
     # the alone step
-    "test_transport_mooncake.py": 70,
-    "test_emulated_link.py": 50,
-    "test_slow_consumer.py": 40,
-    "test_slow_scatter.py": 21,
+    "test_transport_mooncake.py": 48,
+    "test_emulated_link.py": 24,
+    "test_slow_consumer.py": 88,
+    "test_slow_scatter.py": 34,
 }
 
-# The rest of `make test-full` (order of the schedule only; stop 55's pre-run and CI
-# log, 2-core Xeon with AMX, the split modules estimated).
+# The rest of `make test-full` (order of the schedule only): wall times of the same
+# day's run of these modules on 2 workers (same machine; test_vllm_connector.py's and
+# test_vllm_preemption.py's from stop 55's CI log: the first failed to start its engines
+# in that run, the second's line counted the wait of its last test for the session's
+# end, xdist holding a worker's last test until it knows the next).
 FULL_ONLY_SECONDS: Dict[str, float] = {
-    "test_sglang_pd_checks.py": 800,
-    "test_sglang_mla.py": 443,
-    "test_sglang_swa.py": 412,
-    "test_serving_restarts.py": 374,
-    "test_sglang_tp.py": 368,
-    "test_serving_proxy.py": 330,
-    "test_sglang_replicated_heads.py": 283,
-    "test_sglang_decode_radix.py": 209,
+    "test_sglang_pd_checks.py": 943,
+    "test_sglang_mla.py": 685,
+    "test_sglang_swa.py": 470,
+    "test_serving_restarts.py": 414,
+    "test_sglang_tp.py": 490,
+    "test_serving_proxy.py": 380,
+    "test_sglang_replicated_heads.py": 354,
+    "test_sglang_decode_radix.py": 240,
     "test_vllm_connector.py": 120,
-    "test_serving_harness.py": 104,
-    "test_vllm_late_binding.py": 90,
-    "test_vllm_offload.py": 90,
-    "test_vllm_offload_mla.py": 90,
+    "test_serving_harness.py": 183,
+    "test_vllm_late_binding.py": 118,
+    "test_vllm_offload.py": 42,
+    "test_vllm_offload_mla.py": 167,
     "test_vllm_tp.py": 90,
-    "test_vllm_dp.py": 60,
-    "test_vllm_fence.py": 60,
-    "test_vllm_mla.py": 60,
-    "test_vllm_negative_controls.py": 60,
+    "test_vllm_dp.py": 138,
+    "test_vllm_fence.py": 162,
+    "test_vllm_mla.py": 66,
+    "test_vllm_negative_controls.py": 106,
     "test_vllm_preemption.py": 60,
 }
 
 # A fresh clone's set-up before the first test (both environments side by side, the
-# extension, vLLM; measured in the same pre-run), and the gate's limit: CI allows 90
-# minutes, the gate takes at most half, so a slower machine or a new module still fits.
+# extension, vLLM): 525 s in the same pre-run, with pip's cache warm; CI downloads from
+# the registry. And the gate's limit: CI allows 90 minutes, the gate takes at most half,
+# so a slower machine or a new module still fits.
 SETUP_SECONDS = 600
 BUDGET_SECONDS = 45 * 60
 
