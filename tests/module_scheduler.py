@@ -1,6 +1,7 @@
-"""How `make test` spreads the modules over its 2 workers (pytest-xdist, ``-n 2 --dist
-loadscope``, tests/conftest.py). Most of a fleet test's time one core waits on the other
-(a prefill forward, then a decode step), so a second module fills it, within two limits:
+"""How each test target (tests/tiers.py) spreads its modules over 2 workers
+(pytest-xdist, ``-n 2 --dist loadscope``, tests/conftest.py). Most of a fleet test's
+time one core waits on the other (a prefill forward, then a decode step), so a second
+module fills it, within two limits:
 
 - a module is one work unit (its fleet is a module-scoped fixture), except the modules
   that make network namespaces: their hosts' addresses are fixed
@@ -48,8 +49,8 @@ def unit_seconds(modules: Dict[str, float]) -> Dict[str, float]:
     return units
 
 
-# Each unit's recorded seconds (tests/tiers.py): the heaviest goes first. The two build
-# checks compile on both cores and so go first, beside test_sglang_pd.py, whose tests
+# Each unit's recorded seconds (tests/tiers.py): the heaviest goes first. The build
+# checks compile on both cores and so start early, beside test_sglang_pd.py, whose tests
 # mostly wait, rather than beside a fleet that computes (test_sglang_mla.py took 665 s
 # beside test_npu_build.py and others, 498 s in an earlier run).
 UNIT_SECONDS = unit_seconds({**GATE_SECONDS, **FULL_ONLY_SECONDS})

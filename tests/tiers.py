@@ -39,49 +39,49 @@ MARKERS = KINDS | {"vllm", "sglang", "build", "gpu", "alone"}
 # from its alone step. They order the schedule (heaviest first) and keep the budget
 # (tests/test_tiers.py); a module added to the gate adds its seconds here.
 GATE_SECONDS: Dict[str, float] = {
+    "test_ci_builds.py": 588,
     "test_sglang_pd.py": 411,  # 2P1D behind sglang-router: answers, a corruption control, SIGKILL of D
     "test_serving_load.py": 368,  # vllm serve P/D behind vllm-router under vLLM's load client, SIGKILL of D
-    "test_ci_builds.py": 588,
     "test_npu_build.py": 227,
-    "test_hostile_consumer.py": 177,
-    "test_fence.py": 155,
     "test_connector.py": 179,
+    "test_hostile_consumer.py": 177,
+    "test_three_hosts.py": 176,
+    "test_fence.py": 155,
     "test_peer_churn.py": 95,
     "test_integrity.py": 79,
-    "test_three_hosts.py": 176,
-    "test_soak.py": 12,
     "test_sglang_plugin.py": 78,
-    "test_mooncake_ports.py": 27,
+    "test_tp_reshard.py": 60,
     "test_control_trust.py": 41,
     "test_admission.py": 40,
-    "test_demo.py": 28,
-    "test_layer_windows.py": 28,
-    "test_tp_reshard.py": 60,
-    "test_decode_links.py": 16,
-    "test_side_channel.py": 26,
-    "test_exposure.py": 27,
     "test_paged_llama.py": 40,
     "test_partition.py": 35,
+    "test_demo.py": 28,
+    "test_layer_windows.py": 28,
+    "test_mooncake_ports.py": 27,
+    "test_exposure.py": 27,
+    "test_side_channel.py": 26,
     "test_sglang_decode_peers.py": 26,
     "test_mooncake_log.py": 19,
-    "test_compile.py": 10,
+    "test_vllm_late_binding_units.py": 18,
+    "test_decode_links.py": 16,
     "test_block_spaces.py": 15,
+    "test_soak.py": 12,
+    "test_tiers.py": 11,
+    "test_compile.py": 10,
     "test_vllm_integration_units.py": 9,
     "test_vllm_kv_layout.py": 6,
-    "test_vllm_cudagraph_mode.py": 0,
-    "test_vllm_metrics.py": 0,
-    "test_vllm_late_binding_units.py": 18,
-    "test_vllm_mla_plan.py": 0,
-    "test_vllm_tp_plan.py": 0,
     "test_copy_policy.py": 3,
     "test_dp_prefill.py": 2,
     "test_ops.py": 2,
-    "test_block_digests.py": 1,
     "test_house.py": 2,
     "test_packaging.py": 2,
-    "test_serving_report.py": 0,
+    "test_block_digests.py": 1,
     "test_sglang_units.py": 1,
-    "test_tiers.py": 11,
+    "test_vllm_cudagraph_mode.py": 0,
+    "test_vllm_metrics.py": 0,
+    "test_vllm_mla_plan.py": 0,
+    "test_vllm_tp_plan.py": 0,
+    "test_serving_report.py": 0,
     "test_addresses.py": 0,
     "test_offload_units.py": 0,
     "test_sglang_ttft_report.py": 0,
@@ -100,23 +100,23 @@ GATE_SECONDS: Dict[str, float] = {
 FULL_ONLY_SECONDS: Dict[str, float] = {
     "test_sglang_pd_checks.py": 943,
     "test_sglang_mla.py": 685,
+    "test_sglang_tp.py": 490,
     "test_sglang_swa.py": 470,
     "test_serving_restarts.py": 414,
-    "test_sglang_tp.py": 490,
     "test_serving_proxy.py": 380,
     "test_sglang_replicated_heads.py": 354,
     "test_sglang_decode_radix.py": 240,
-    "test_vllm_connector.py": 120,
     "test_serving_harness.py": 183,
-    "test_vllm_late_binding.py": 118,
-    "test_vllm_offload.py": 42,
     "test_vllm_offload_mla.py": 167,
-    "test_vllm_tp.py": 90,
-    "test_vllm_dp.py": 138,
     "test_vllm_fence.py": 162,
-    "test_vllm_mla.py": 66,
+    "test_vllm_dp.py": 138,
+    "test_vllm_connector.py": 120,
+    "test_vllm_late_binding.py": 118,
     "test_vllm_negative_controls.py": 106,
+    "test_vllm_tp.py": 90,
+    "test_vllm_mla.py": 66,
     "test_vllm_preemption.py": 60,
+    "test_vllm_offload.py": 42,
 }
 
 # A fresh clone's set-up before the first test (both environments side by side, the
@@ -162,9 +162,12 @@ def markers(name: str) -> FrozenSet[str]:
 
 
 def select(tier: str, alone: bool) -> List[str]:
-    chosen = TIERS[tier]
-    return [name for name in module_files()
-            if chosen(markers(name), name) and ("alone" in markers(name)) == alone]
+    chosen, picked = TIERS[tier], []
+    for name in module_files():
+        marks = markers(name)
+        if chosen(marks, name) and ("alone" in marks) == alone:
+            picked.append(name)
+    return picked
 
 
 def main(argv: List[str]) -> int:
