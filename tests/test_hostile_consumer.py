@@ -126,6 +126,10 @@ def _serve_beside_a_hostile_consumer(how, refused_at_connect) -> int:
                 # decided either way (a bad staging ack may come after its step landed)
                 assert bad_id in finished | failed, (how, finished, failed)
                 bad_failed += bad_id in failed
+            # P's report frees its source blocks (staged bytes are already in D's slots);
+            # D's report says the bytes are in its blocks: read them after that one
+            landed, _, _ = good.call("wait", [good_id], 20.0)
+            assert good_id in landed, (how, "the good consumer must report its request finished")
             received = good.call("caches")
             for layer in range(LAYERS):
                 assert np.array_equal(received[layer][DST], caches[layer][SRC].numpy()), (how, layer)
