@@ -375,3 +375,54 @@ def test_control_sockets_keep_alive_on_both_sides(server):
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == KEEPALIVE_PROBES
     finally:
         c.close()
+
+
+# ---------------------------------------------------------------------- a held begin's fields
+
+# A begin for a request the consumer does not expect yet is held for admission and read
+# on the control thread's tick: each field checked there, outside the session that sent
+# it, used to end that thread for every producer (issue 58).
+MALFORMED_BEGINS = {
+    "out_of_range": {"reqs": ["x"], "dst": {"x": [10 ** 9]}},
+    "negative": {"reqs": ["x"], "dst": {"x": [-1]}},
+    "not_integers": {"reqs": ["x"], "dst": {"x": [1.5, "2"]}},
+    "dst_a_list": {"reqs": ["x"], "dst": [[1]]},
+    "dst_null": {"reqs": ["x"], "dst": None},
+    "blocks_a_dict": {"reqs": ["x"], "dst": {"x": {"1": 1}}},
+    "reqs_not_a_list": {"reqs": "x", "dst": {}},
+    "reqs_of_objects": {"reqs": [{"x": 1}], "dst": {}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_BEGINS) + ["control_well_formed"])
+def test_a_malformed_begin_held_for_admission_drops_only_its_own_session(producer, case):
+    conn, caches = producer
+    consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, begin_waits_for_expect_s=0.2, **FAST)
+    try:
+        peer = conn.add_peer(consumer.info)  # a good producer, connected before
+        intruder = ControlClient(consumer.info["control_address"], timeout_s=5.0, retries=0)
+        intruder.connect()
+        intruder.handshake(consumer.info["secret"], "intruder", staging=False)
+        fields = MALFORMED_BEGINS.get(case, {"reqs": ["x"], "dst": {"x": [3]}})
+        intruder.send(dict(op="begin", **fields))
+        if case == "control_well_formed":  # held, then refused: nobody expected "x"
+            answer = intruder.receive(5.0)
+            assert answer is not None and (answer["op"], answer["rejected"]) == ("begun", ["x"]), answer
+        else:
+            with pytest.raises(ConnectionError, match="closed"):
+                intruder.receive(5.0)  # its own session is dropped
+        intruder.close()
+        assert consumer.call("drain") == ([], []), "the consumer's control thread goes on"
+        consumer.call("expect", ["good"])
+        push_and_receive(conn, caches, consumer, TransferRequest("good", peer, [1, 2], [4, 5]))
+        # and a producer that connects after it is answered
+        other, other_caches, other_transport = make_producer()
+        try:
+            consumer.call("expect", ["later"])
+            push_and_receive(other, other_caches, consumer,
+                             TransferRequest("later", other.add_peer(consumer.info), [3], [6]))
+        finally:
+            other.close()
+            other_transport.close()
+    finally:
+        consumer.stop()

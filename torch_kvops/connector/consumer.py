@@ -170,7 +170,10 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity, BeginAdmission, ConsumerSca
             session.reply({"op": "welcome", "staging": grant.to_json() if grant else None,
                            "integrity": self._config.integrity_mode})
         elif op == "begin":
-            self._admit_begin(message, session)  # now, or once its requests are expected
+            # every field checked here, inside this session's error boundary: a held
+            # begin is answered later on the tick, where a bad field would end the
+            # control thread for every producer
+            self._admit_begin(_begin_fields(message, self._num_blocks), session)
         elif op == "scatter":
             if self._staging is None or not session.staging:
                 raise ValueError("scatter without a staging grant")
@@ -198,12 +201,7 @@ class ConsumerSide(ConsumerFence, ConsumerIntegrity, BeginAdmission, ConsumerSca
         """Start or renew the leases of a step's requests and note which blocks each
         will fill; return those this session may not send: already reported (their
         blocks may be reused) or owned by another session."""
-        req_ids = [str(r) for r in message["reqs"]]
-        dst = {str(k): _block_list(v) for k, v in message.get("dst", {}).items()}
-        for req_id, blocks in dst.items():
-            if any(not 0 <= b < self._num_blocks for b in blocks):
-                raise ValueError(f"begin: destination blocks of {req_id!r} out of range "
-                                 f"(this consumer has {self._num_blocks} blocks)")
+        req_ids, dst = message["reqs"], message["dst"]  # checked by _begin_fields
         deadline = time.monotonic() + self._config.lease_s
         rejected = []
         with self._ledger.lock:
@@ -372,6 +370,23 @@ def _byte_count_problem(message: dict, step_dst: List[int]) -> Optional[str]:
     if (count == 0) != (not step_dst):
         return f"chunk notice of {count} bytes for {len(step_dst)} destination blocks"
     return None
+
+
+def _begin_fields(message: dict, num_blocks: int) -> dict:
+    """A begin's requests and destination blocks, checked: ``reqs`` a list of ids
+    (strings or integers), ``dst`` (optional) a mapping of id to block ids in range.
+    ValueError names the first bad field."""
+    reqs, dst = message.get("reqs"), message.get("dst", {})
+    if not isinstance(reqs, list) or any(type(r) not in (str, int) for r in reqs):
+        raise ValueError("begin: 'reqs' must be a list of request ids")
+    if not isinstance(dst, dict):
+        raise ValueError("begin: 'dst' must map request ids to block ids")
+    blocks = {str(req_id): _block_list(value) for req_id, value in dst.items()}
+    for req_id, ids in blocks.items():
+        if any(not 0 <= b < num_blocks for b in ids):
+            raise ValueError(f"begin: destination blocks of {req_id!r} out of range "
+                             f"(this consumer has {num_blocks} blocks)")
+    return {"op": "begin", "reqs": [str(r) for r in reqs], "dst": blocks}
 
 
 def _block_list(value) -> List[int]:

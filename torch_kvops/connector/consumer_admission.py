@@ -85,7 +85,11 @@ class BeginAdmission:
                 log.warning("producer %s: begin for %s, which this consumer never expected "
                             "within %.1f s: rejected", session.producer, sorted(unexpected), held_s)
                 self._stats.add(failed_begin_unexpected=len(unexpected))
-            self._answer_begin(message, session, unexpected, held_s)
+            try:
+                self._answer_begin(message, session, unexpected, held_s)
+            except Exception as exc:  # its fields were checked on arrival: a bug, its session's
+                log.exception("producer %s: answering its held begin failed", session.producer)
+                session.drop(f"answering its held begin failed: {exc}")
 
     def _drop_held_begins(self, session: Session) -> None:
         """The session ended: nobody waits for its held begins."""
