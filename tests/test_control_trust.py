@@ -308,6 +308,22 @@ def test_later_chunks_of_a_request_to_a_dead_peer_are_not_reported_again():
         assert got == {"k"} and not bad
         with pytest.raises(ValueError, match="already reported finished"):
             conn.start_step([TransferRequest("k", p_alive, [3], [3])])
+        # with partial (as the engine adapters call it) a reused id fails alone, each
+        # time it comes, and the request it once named keeps its bytes (issue 58)
+        before = alive.call("caches")
+        for n in range(2):
+            refused = push_step(conn, caches, [TransferRequest("k", p_alive, [3], [3]),
+                                               TransferRequest(f"n{n}", p_alive, [4], [4 + n])],
+                                partial=True)
+            assert list(refused) == ["k"] and "already reported finished" in refused["k"]
+            finished, failed = collect(conn, ["k", f"n{n}"], 10.0)
+            assert (finished, failed) == ([f"n{n}"], ["k"]), "the reused id fails, its neighbour goes"
+            assert alive.call("wait", [f"n{n}"], 10.0)[0] == {f"n{n}"}
+        received = alive.call("caches")
+        assert all(np.array_equal(received[layer][[0, 1, 2, 3]], before[layer][[0, 1, 2, 3]])
+                   for layer in range(LAYERS)), "nothing was written for the reused id"
+        assert all(np.array_equal(received[layer][[4, 5]], caches[layer][[4, 4]].numpy())
+                   for layer in range(LAYERS))
     finally:
         conn.close()
         transport.close()

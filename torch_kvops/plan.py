@@ -161,6 +161,12 @@ class StepPlan:
     by_peer: Dict[str, List[Tuple[TransferRequest, np.ndarray, np.ndarray]]] = field(default_factory=dict)
     refused: Dict[str, Tuple[TransferRequest, str]] = field(default_factory=dict)
 
+    def refuse(self, requests: Sequence[TransferRequest], reason: str) -> None:
+        """Refuse these requests (validated, or refused already) for ``reason``."""
+        self.drop({req.req_id for req in requests})
+        for req in requests:
+            self.refused[req.req_id] = (req, reason)
+
     def drop(self, req_ids: Set[str]) -> None:
         """Remove these requests (validated, but not to be sent) from the plan."""
         self.requests = [r for r in self.requests if r.req_id not in req_ids]

@@ -195,7 +195,8 @@ class LayerwiseConnector:
         the step names, an unknown peer) raises ``ValueError`` and nothing is sent; with
         ``partial=True`` it is refused alone instead: reported failed (its consumer is
         told, and it sends no later chunk, so no destination is left with holes) while
-        the others go. Returns the refused requests with the reason for each. A request
+        the others go; so is a request whose id was already reported finished (ids are
+        sent once). Returns the refused requests with the reason for each. A request
         id twice in the step, or in flight to another peer, always raises."""
         self._require("producer", registered=True)
         return self._side.start_step(requests, partial)

@@ -121,7 +121,9 @@ class RequestLedger:
             self._count_locked(ok)
 
     def _remember_locked(self, req_id: str, ok: bool) -> None:
-        self._reported[req_id] = ok
+        # finished stays finished: a later use of the id, refused and reported failed,
+        # must not make its next use look like a later chunk of a failed request
+        self._reported[req_id] = ok or self._reported.get(req_id, False)
         if len(self._reported) > _REMEMBERED_IDS:
             self._reported.popitem(last=False)
 

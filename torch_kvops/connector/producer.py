@@ -198,8 +198,13 @@ class ProducerSide(StepSender):
             outcome = {req.req_id: self._ledger.outcome_locked(req.req_id) for req in requests}
             again = [r for r, ok in outcome.items() if ok]
             if again:
-                raise ValueError(f"request(s) {again} were already reported finished: a request's "
-                                 "chunks end with its last_chunk=True one, and an id is sent once")
+                reason = ("already reported finished: a request's chunks end with its "
+                          "last_chunk=True one, and an id is sent once")
+                if not partial:
+                    raise ValueError(f"request(s) {again} were {reason}")
+                # a reused id (a client naming its own transfer id twice) fails alone;
+                # the ledger keeps the id's first outcome, so each reuse is refused again
+                plan.refuse([req for req in requests if req.req_id in again], reason)
             # Later chunks of a request already reported failed (its peer died, the consumer
             # refused it): nothing is written and nothing reported again, so an engine that
             # frees blocks on failure frees them once. The failure report stands.

@@ -2,18 +2,21 @@
 (the layers' KV is written already), wait for the pushes."""
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
 import numpy as np
 import torch
 
 
-def push_step(conn, caches: Sequence[torch.Tensor], requests: Sequence, timeout: float = 30.0) -> None:
-    """Push ``requests`` (TransferRequests) of one step through producer ``conn``."""
-    conn.start_step(list(requests))
+def push_step(conn, caches: Sequence[torch.Tensor], requests: Sequence, timeout: float = 30.0,
+              partial: bool = False) -> Dict[str, str]:
+    """Push ``requests`` (TransferRequests) of one step through producer ``conn``;
+    returns the requests ``start_step`` refused (``partial``), with the reasons."""
+    refused = conn.start_step(list(requests), partial=partial)
     for layer, cache in enumerate(caches):
         conn.save_kv_layer(layer, cache)
     conn.wait_for_save(timeout=timeout)
+    return refused
 
 
 def push_and_receive(conn, caches: Sequence[torch.Tensor], consumer, request,
