@@ -51,7 +51,7 @@ GATE_SECONDS: Dict[str, float] = {
     "test_integrity.py": 79,
     "test_sglang_plugin.py": 78,
     "test_tp_reshard.py": 60,
-    "test_control_trust.py": 41,
+    "test_control_trust.py": 70,
     "test_admission.py": 40,
     "test_paged_llama.py": 40,
     "test_partition.py": 35,
