@@ -155,3 +155,68 @@ def test_a_staging_area_costs_resident_memory_only_where_slots_are_written():
         conn.close()
         transport.close()
         consumer.stop()
+
+
+@pytest.mark.parametrize("unregister_wait_s", [35.0, 0.5], ids=["waits_out_the_transfer", "kept_and_closed_again"])
+def test_letting_go_of_a_link_a_stalled_write_still_reads_never_waits_on_the_callers_thread(unregister_wait_s):
+    """Issue 58: a consumer frozen (SIGSTOP) between two layers of a push. The second
+    layer's staged write times out and leaves its transfer in a Mooncake lane, reading
+    the link's staging buffer. ``release_peers`` (the engine's thread, between steps)
+    returns at once: it used to unregister the buffer there, waiting until the transfer
+    ended (the consumer is killed ``hold_s`` later). The link is closed in the
+    background once nothing reads it, and its registration is gone; with an unregister
+    that gives up before the transfer ends, the link (its buffer with it) is kept and
+    closed again."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import torch
+
+    from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
+    from torch_kvops.bench.peer_churn import BLOCK_SHAPE, BLOCKS, DST, LAYERS, SRC
+    from torch_kvops.testing.consumer_process import ConsumerProcess
+
+    hold_s = 3.0
+    config = dict(transfer_timeout_s=1.0, max_retries=0, control_timeout_s=2.0, quarantine_s=0.1,
+                  staging_slot_bytes=64 << 10, staging_slots=4)
+    consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **config)
+    transport = MooncakeTransport(host="127.0.0.1", close_timeout_s=unregister_wait_s)
+    caches = [torch.randn(BLOCKS, *BLOCK_SHAPE) for _ in range(LAYERS)]
+    conn = LayerwiseConnector("producer", transport, ConnectorConfig(**config))
+    killer = threading.Timer(hold_s, consumer.kill)
+    try:
+        conn.register_kv_caches(caches)
+        regions = len(transport._registry.index.ptrs())
+        peer = conn.add_peer(consumer.info)
+        assert len(transport._registry.index.ptrs()) == regions + 1, "the link's staging buffer"
+        consumer.call("expect", ["r"])
+        conn.start_step([TransferRequest("r", peer, SRC, DST)])
+        conn.save_kv_layer(0, caches[0])
+        deadline = time.monotonic() + 10
+        while not (consumer.call("caches")[0][DST] == caches[0][SRC].numpy()).all():
+            assert time.monotonic() < deadline, "layer 0 never landed"
+            time.sleep(0.01)
+        os.kill(consumer.proc.pid, signal.SIGSTOP)
+        conn.save_kv_layer(1, caches[1])
+        conn.wait_for_save(timeout=30)
+        assert transport.outstanding() > 0, "the timed-out write's transfer still reads the buffer"
+        deadline = time.monotonic() + 10
+        while "r" not in conn.get_finished()[1]:
+            assert time.monotonic() < deadline, "the request to the frozen consumer must fail"
+            time.sleep(0.01)
+        killer.start()
+        started = time.monotonic()
+        released = conn.release_peers(idle_s=0.0)
+        took = time.monotonic() - started
+        assert released == [peer]
+        assert took < hold_s / 4, f"release_peers waited {took:.2f} s for the transfer"
+        assert conn.wait_for_release(hold_s + 30), "the link is closed once nothing reads it"
+        assert len(transport._registry.index.ptrs()) == regions and transport.outstanding() == 0
+        assert (conn.stats().get("link_release_retries", 0) > 0) == (unregister_wait_s < hold_s)
+    finally:
+        killer.cancel()
+        conn.close()
+        transport.close()
+        consumer.kill()

@@ -57,7 +57,7 @@ def churn(restarts: int, release: bool) -> List[Dict[str, int]]:
             finally:
                 consumer.stop()  # the decode process goes away (a restart brings a new one)
             conn.get_finished()
-            if release and conn.release_peers(idle_s=0.0) != [peer]:
+            if release and (conn.release_peers(idle_s=0.0) != [peer] or not conn.wait_for_release(30.0)):
                 raise RuntimeError(f"restart {i}: its link was not released")
             samples.append(dict(process_resources(), regions=len(transport._registry.index.ptrs()),
                                 retries=conn.stats()["retries"], reused_addresses=int(reused)))

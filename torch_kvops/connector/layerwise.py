@@ -157,13 +157,21 @@ class LayerwiseConnector:
         return self._side.add_peer(info)
 
     def release_peers(self, idle_s: float, keep: Optional[int] = None) -> List[str]:
-        """Producer, between steps: close the peers failed or unused for ``idle_s`` with
-        nothing in flight (control channel, staging), so resources stay flat while
+        """Producer, between steps: let go of the peers failed or unused for ``idle_s``
+        with nothing in flight (control channel, staging), so resources stay flat while
         consumers come and go; with ``keep``, also the least recently used ones beyond
-        ``keep`` live peers (those with nothing in flight). Returns their ids;
+        ``keep`` live peers (those with nothing in flight). Returns their ids at once:
+        they are closed on a thread of the connector's (a staging buffer a timed-out
+        write may still read is kept until it is not), never on the caller's.
         :meth:`add_peer` reconnects."""
         self._require("producer", registered=True)
         return self._side.release_peers(idle_s, keep)
+
+    def wait_for_release(self, timeout: float) -> bool:
+        """Producer: wait until the peers let go of are closed; True if none is left
+        (measurements of resources, tests)."""
+        self._require("producer", registered=True)
+        return self._side.wait_released(timeout)
 
     def peer_failed(self, peer_id: str) -> Optional[str]:
         """Producer: why the peer was given up on (until :meth:`add_peer`), or None."""

@@ -30,6 +30,7 @@ from .integrity import make_digester, stronger_mode
 from .ledger import ConnectorStats, RequestLedger
 from .peer import PeerLink
 from .peer_step import PeerStep, fail_aborted
+from .releaser import LinkReleaser
 from .sender import StepSender, _Step
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class ProducerSide(StepSender):
         self._stop = threading.Event()
         self._sender_error: Optional[BaseException] = None
         self._digests = DigestPipeline(stats)  # integrity digests, overlapped with the writes
+        self._releaser = LinkReleaser(stats)  # closes links off the engine's thread
         self._sender = threading.Thread(target=self._sender_main, name="kvops-sender", daemon=True)
         self._sender.start()
 
@@ -117,7 +119,9 @@ class ProducerSide(StepSender):
         if known is not None:
             if busy:
                 raise RuntimeError(f"peer {known.peer_id!r} still has requests in flight")
-            known.close()
+            with self._ledger.lock:
+                del self._peers[known.peer_id]
+            self._releaser.release(known)  # its buffer may still be read: never waited for here
         control = ControlClient(info["control_address"], timeout_s=self._config.control_timeout_s,
                                 retries=self._config.max_retries,
                                 backoff_s=self._config.retry_backoff_s, tls=self._tls)
@@ -157,10 +161,11 @@ class ProducerSide(StepSender):
         return peer.peer_id
 
     def release_peers(self, idle_s: float, keep: Optional[int] = None) -> List[str]:
-        """Close and forget the peers given up on, or not used for ``idle_s``, that
-        have no request in flight: their control channel, staging registration and
-        buffer; with ``keep``, also the least recently used beyond ``keep`` live peers.
-        Engine thread, between steps. Returns their ids."""
+        """Forget the peers given up on, or not used for ``idle_s``, that have no
+        request in flight, and close them in the background (releaser.py: their control
+        channel, staging registration and buffer); with ``keep``, also the least
+        recently used beyond ``keep`` live peers. Engine thread, between steps: never
+        waits on the transport. Returns their ids."""
         now = time.monotonic()
         with self._ledger.lock:
             busy = set(self._ledger.in_flight.values())
@@ -175,8 +180,12 @@ class ProducerSide(StepSender):
             for peer in idle:
                 del self._peers[peer.peer_id]
         for peer in idle:
-            peer.close()
+            self._releaser.release(peer)
         return [peer.peer_id for peer in idle]
+
+    def wait_released(self, timeout: float) -> bool:
+        """Wait until the links let go of are closed; True if none is left."""
+        return self._releaser.wait_idle(timeout)
 
     def peer_failed(self, peer_id: str) -> Optional[str]:
         with self._ledger.lock:
@@ -303,6 +312,7 @@ class ProducerSide(StepSender):
                                 "close timeout")
         self._digests.close(wait=not self._sender.is_alive())
         self._fail_all_in_flight("connector closed")
+        problems += self._releaser.close(timeout)
         with self._ledger.lock:
             peers = list(self._peers.values())
         for peer in peers:
