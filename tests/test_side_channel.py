@@ -299,6 +299,37 @@ def test_the_bootstrap_endpoint_cuts_a_trickling_client_at_its_total_deadline_an
             sock.close()
 
 
+def test_the_bootstrap_endpoint_answers_at_once_beside_hundreds_of_trickling_clients():
+    """Issue 58: 200 clients that send part of a request line and wait (a thread per
+    connection and 16 slots: every slot held, a legitimate GET /query refused 4 times
+    out of 4). With the endpoint's defaults, each legitimate query is answered (median
+    under 100 ms), none refused, and the trickling ones are cut at the header deadline."""
+    boot = BootstrapServer("127.0.0.1", 0, rank_entry("engine-p", "127.0.0.1:1", 1, signed=False, tls=False),
+                           auth=None)
+    host, port = boot.address.rsplit(":", 1)
+    slow = []
+    try:
+        for _ in range(200):
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            sock.sendall(b"GET /qu")
+            slow.append(sock)
+        took = []
+        for _ in range(5):
+            started = time.monotonic()
+            with urllib.request.urlopen(boot.url + "/query", timeout=5) as response:
+                assert json.loads(response.read())["0"]["engine_id"] == "engine-p"
+            took.append(time.monotonic() - started)
+        print(f"GET /query beside 200 trickling clients: {[round(t * 1e3, 1) for t in took]} ms")
+        assert sorted(took)[2] < 0.1, took
+        assert boot.refused == 0
+        slow[0].settimeout(10)
+        assert slow[0].recv(100) == b"", "a request that never completes is cut at the deadline"
+    finally:
+        for sock in slow:
+            sock.close()
+        boot.close()
+
+
 def test_a_malformed_liveness_question_is_refused_and_counted():
     server = DestinationServer("127.0.0.1", 0)
     try:

@@ -14,20 +14,20 @@ vLLM's MooncakeConnector workers do, so ``/query`` lists every rank. A registrat
 taken only from this host (the connection's source address is the endpoint's own, or
 loopback) and, with a fleet key, only signed with it.
 
-Public facts only: no secret is ever in the answer. Bounded: at most
-``max_clients`` requests are served at once (more are closed at accept), each with
-``timeout_s`` per socket operation and ``total_s`` in all (a client that trickles its
-request a byte at a time is cut off then), so ``close()`` is bounded too.
+Public facts only: no secret is ever in the answer. Slow clients cannot hold it: one
+asyncio loop serves every connection (an idle or trickling one costs a socket, not a
+thread), a request must arrive whole within ``timeout_s`` (the header deadline) and be
+answered within ``total_s``, and at most ``max_clients`` connections are open at once
+(more are closed at accept, counted). A legitimate ``GET /query`` is answered at once
+beside hundreds of trickling clients, and ``close()`` is bounded.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
-import socket
-import socketserver
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Dict, Optional, Tuple
 
 from .auth import AuthError, FleetAuth
@@ -37,7 +37,9 @@ log = logging.getLogger(__name__)
 BOOTSTRAP_PORT_ENV = "VLLM_MOONCAKE_BOOTSTRAP_PORT"
 DEFAULT_BOOTSTRAP_PORT = 8998
 MAX_REGISTRATION_BYTES = 4 << 10
+MAX_HEAD_BYTES = 8 << 10  # request line and headers
 MAX_DP_RANKS = 1024
+REASONS = {200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed"}
 
 
 def bootstrap_address(configured: str, default_host: str) -> Tuple[str, int]:
@@ -55,66 +57,18 @@ def bootstrap_address(configured: str, default_host: str) -> Tuple[str, int]:
     return default_host, int(port)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: "_Server"
-    protocol_version = "HTTP/1.1"
+class _Answer:
+    """What ``GET /query`` answers: rank 0's entry and the entries other DP ranks
+    registered (``POST /register``, checked here)."""
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        if self.path.split("?", 1)[0] != "/query":
-            self._send(404, {"error": "not found: this endpoint serves GET /query"})
-            return
-        self._send(200, self.server.snapshot())
-
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-        if self.path.split("?", 1)[0] != "/register":
-            self._send(404, {"error": "not found: POST /register only"})
-            return
-        length = self.headers.get("Content-Length", "")
-        if not length.isdigit() or int(length) > MAX_REGISTRATION_BYTES:
-            self._send(400, {"error": f"a registration is 1-{MAX_REGISTRATION_BYTES} bytes"})
-            return
-        peer, own = self.client_address[0], self.connection.getsockname()[0]
-        if peer != own and not peer.startswith("127.") and peer != "::1":
-            self._send(403, {"error": "registrations are taken from this host only"})
-            return
-        try:
-            self.server.register(json.loads(self.rfile.read(int(length))))
-        except (ValueError, AuthError) as exc:
-            log.warning("bootstrap: registration from %s refused: %s", peer, exc)
-            self._send(400, {"error": str(exc)[:200]})
-            return
-        self._send(200, {"ok": True})
-
-    def _send(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
-        self.close_connection = True
-
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
-        log.debug("bootstrap: " + format, *args)
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = False  # joined by server_close(): no thread outlives close()
-    block_on_close = True
-
-    def __init__(self, address: Tuple[str, int], answer: dict, timeout_s: float, total_s: float,
-                 max_clients: int, auth: Optional[FleetAuth]) -> None:
-        self.answer, self.timeout_s, self.total_s = answer, timeout_s, total_s
+    def __init__(self, entry: dict, auth: Optional[FleetAuth]) -> None:
         self.auth = auth
-        self._answer_lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(max_clients)
-        self.refused = 0
-        super().__init__(address, _Handler)
+        self._lock = threading.Lock()
+        self._answer = {"0": entry}
 
     def snapshot(self) -> dict:
-        with self._answer_lock:
-            return dict(self.answer)
+        with self._lock:
+            return dict(self._answer)
 
     def register(self, message: object) -> None:
         """Take a DP rank's entry (dp_rank.py's message; signed with a fleet key);
@@ -126,50 +80,23 @@ class _Server(ThreadingHTTPServer):
         rank, entry = message.get("dp_rank"), message.get("entry")
         if type(rank) is not int or not 0 < rank < MAX_DP_RANKS:
             raise ValueError(f"dp_rank must be an integer in [1, {MAX_DP_RANKS}), got {rank!r}")
-        ours = self.answer["0"]
+        ours = self._answer["0"]
         if not isinstance(entry, dict) or set(entry) != set(ours) or \
                 not isinstance(entry.get("engine_id"), str) or not isinstance(entry.get("kvops"), dict) or \
                 not isinstance(entry["kvops"].get("side_channel"), str):
             raise ValueError("entry must have engine_id, worker_addr and kvops.side_channel as rank 0's")
-        with self._answer_lock:
-            known = self.answer.get(str(rank))
-            self.answer = dict(self.answer, **{str(rank): entry})
+        with self._lock:
+            known = self._answer.get(str(rank))
+            self._answer = dict(self._answer, **{str(rank): entry})
         if known != entry:
             log.info("kvops bootstrap: DP rank %d registered (engine %s, side channel %s)", rank,
                      entry["engine_id"], entry["kvops"]["side_channel"])
 
-    def server_bind(self) -> None:
-        # HTTPServer.server_bind looks our name up in DNS (getfqdn), which can hang
-        # where resolution is slow; the name is never used here.
-        socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
 
-    def process_request(self, request, client_address) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.refused += 1
-            self.shutdown_request(request)
-            return
-        request.settimeout(self.timeout_s)
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request, client_address) -> None:
-        # the whole request within total_s: a watchdog shuts the socket down then,
-        # which ends the handler's blocking read
-        watchdog = threading.Timer(self.total_s, _cut, args=(request,))
-        watchdog.daemon = True
-        watchdog.start()
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            watchdog.cancel()
-            self._slots.release()
-
-
-def _cut(request: socket.socket) -> None:
-    try:
-        request.shutdown(socket.SHUT_RDWR)
-    except OSError:  # closed already: the handler finished just now
-        log.debug("bootstrap: the request's socket was closed before its watchdog fired")
+class _BadRequest(Exception):
+    def __init__(self, status: int, error: str) -> None:
+        super().__init__(error)
+        self.status = status
 
 
 def rank_entry(engine_id: str, side_channel: str, prefill_tp: int, *, signed: bool,
@@ -187,25 +114,121 @@ class BootstrapServer:
     "host:port", ``url`` what a decode engine takes as ``remote_bootstrap_addr``."""
 
     def __init__(self, host: str, port: int, entry: dict, *, auth: Optional[FleetAuth],
-                 timeout_s: float = 2.0, total_s: float = 30.0, max_clients: int = 16) -> None:
-        """``entry``: this rank's (:func:`rank_entry`); other DP ranks register theirs."""
-        self._server = _Server((host, port), {"0": entry}, timeout_s, total_s, max_clients, auth)
-        self.address = f"{host}:{self._server.server_address[1]}"
+                 timeout_s: float = 2.0, total_s: float = 5.0, max_clients: int = 1024) -> None:
+        """``entry``: this rank's (:func:`rank_entry`); other DP ranks register theirs.
+        ``timeout_s``: a request's line, headers and body arrive within it; ``total_s``:
+        its answer is written within it too; ``max_clients``: connections open at once.
+        Raises OSError if the address cannot be bound."""
+        self._answer = _Answer(entry, auth)
+        self._timeout_s, self._total_s, self._max_clients = timeout_s, total_s, max_clients
+        self._refused = 0
+        self._connections: Dict[asyncio.Task, asyncio.StreamWriter] = {}
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._server = self._loop.run_until_complete(
+                asyncio.start_server(self._serve, host, port, limit=MAX_HEAD_BYTES, backlog=1024))
+        except BaseException:
+            self._loop.close()
+            raise
+        bound_port = self._server.sockets[0].getsockname()[1]
+        self.address = f"{host}:{bound_port}"
         self.url = f"http://{self.address}"
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name="kvops-bootstrap", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvops-bootstrap", daemon=True)
         self._thread.start()
         log.info("kvops bootstrap endpoint: GET %s/query", self.url)
 
     @property
     def refused(self) -> int:
-        """Connections closed at accept because ``max_clients`` were being served."""
-        return self._server.refused
+        """Connections closed at accept because ``max_clients`` were open."""
+        return self._refused
+
+    def register(self, message: object) -> None:
+        """A DP rank's registration (as ``POST /register`` takes it)."""
+        self._answer.register(message)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._connections) >= self._max_clients:
+            self._refused += 1
+            writer.transport.abort()
+            return
+        task = asyncio.current_task()
+        self._connections[task] = writer
+        try:
+            await asyncio.wait_for(self._answer_one(reader, writer), self._total_s)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                ConnectionError, ValueError) as exc:
+            log.debug("bootstrap: a connection ended without an answer: %s", type(exc).__name__)
+        finally:
+            self._connections.pop(task, None)
+            writer.transport.abort()  # no lingering close handshake with a slow client
+
+    async def _answer_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Read one request (whole within the header deadline) and answer it."""
+        try:
+            method, path, headers, body = await asyncio.wait_for(self._read(reader, writer), self._timeout_s)
+            status, answer = self._route(method, path, headers, body, writer)
+        except _BadRequest as exc:
+            status, answer = exc.status, {"error": str(exc)}
+        data = json.dumps(answer).encode()
+        writer.write(f"HTTP/1.1 {status} {REASONS[status]}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+        await writer.drain()
+
+    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        parts = head[0].split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            raise _BadRequest(400, "not an HTTP/1.x request line")
+        headers = {}
+        for line in head[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        body = b""
+        if parts[0] == "POST":
+            length = headers.get("content-length", "")
+            if not length.isdigit() or not 0 < int(length) <= MAX_REGISTRATION_BYTES:
+                raise _BadRequest(400, f"a registration is 1-{MAX_REGISTRATION_BYTES} bytes")
+            body = await reader.readexactly(int(length))
+        return parts[0], parts[1].split("?", 1)[0], headers, body
+
+    def _route(self, method: str, path: str, headers: dict, body: bytes,
+               writer: asyncio.StreamWriter) -> Tuple[int, dict]:
+        if method == "GET" and path == "/query":
+            return 200, self._answer.snapshot()
+        if method == "POST" and path == "/register":
+            peer, own = writer.get_extra_info("peername")[0], writer.get_extra_info("sockname")[0]
+            if peer != own and not peer.startswith("127.") and peer != "::1":
+                return 403, {"error": "registrations are taken from this host only"}
+            try:
+                self._answer.register(json.loads(body))
+            except (ValueError, AuthError) as exc:
+                log.warning("bootstrap: registration from %s refused: %s", peer, exc)
+                return 400, {"error": str(exc)[:200]}
+            return 200, {"ok": True}
+        if path in ("/query", "/register"):
+            return 405, {"error": "GET /query or POST /register"}
+        return 404, {"error": "not found: this endpoint serves GET /query (and POST /register)"}
 
     def close(self, timeout: float = 5.0) -> None:
-        self._server.shutdown()
-        self._thread.join(timeout)
-        self._server.server_close()  # joins the request threads (each bounded by timeout_s)
+        """Stop serving: the listener and every open connection closed, the thread joined."""
+        if self._loop.is_closed():
+            return
+
+        async def stop() -> None:
+            self._server.close()
+            # each connection ends on its own once its socket is gone (a cancelled
+            # task trips asyncio's streams in 3.11: "Exception in callback")
+            for writer in list(self._connections.values()):
+                writer.transport.abort()
+            await asyncio.gather(*self._connections, return_exceptions=True)
+            await self._server.wait_closed()
+
+        try:
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
         if self._thread.is_alive():
             raise RuntimeError("kvops bootstrap thread did not stop")
-
+        self._loop.close()
