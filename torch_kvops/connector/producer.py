@@ -30,7 +30,7 @@ from .integrity import make_digester, stronger_mode
 from .ledger import ConnectorStats, RequestLedger
 from .peer import PeerLink
 from .peer_step import PeerStep, fail_aborted
-from .releaser import LinkReleaser
+from .releaser import LinkReleaser, close_links
 from .sender import StepSender, _Step
 
 log = logging.getLogger(__name__)
@@ -315,9 +315,4 @@ class ProducerSide(StepSender):
         problems += self._releaser.close(timeout)
         with self._ledger.lock:
             peers = list(self._peers.values())
-        for peer in peers:
-            try:
-                peer.close()
-            except (OSError, RuntimeError) as exc:
-                problems.append(f"release failed: {exc}")
-        return problems
+        return problems + close_links(peers)

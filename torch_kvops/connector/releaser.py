@@ -81,12 +81,7 @@ class LinkReleaser:
                 problems.append("the link release thread did not stop within the close timeout")
         with self._cond:
             left, self._queue = [link for _, link in self._queue], []
-        for link in left:
-            try:
-                link.close()
-            except (OSError, RuntimeError) as exc:
-                problems.append(f"release of peer {link.peer_id} failed: {exc}")
-        return problems
+        return problems + close_links(left)
 
     def _run(self) -> None:
         while True:
@@ -122,3 +117,15 @@ class LinkReleaser:
     def _failed(self, link: "PeerLink", exc: BaseException) -> None:
         self._stats.add(link_release_failed=1)
         log.warning("peer %s: closing its link failed: %s", link.peer_id, exc)
+
+
+def close_links(links: List["PeerLink"]) -> List[str]:
+    """Close each link now, on this thread (the connector's close); the problems met
+    (every link is tried)."""
+    problems = []
+    for link in links:
+        try:
+            link.close()
+        except (OSError, RuntimeError) as exc:
+            problems.append(f"release of peer {link.peer_id} failed: {exc}")
+    return problems
