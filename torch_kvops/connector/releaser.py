@@ -50,12 +50,6 @@ class LinkReleaser:
                 self._thread.start()
             self._cond.notify_all()
 
-    @property
-    def pending(self) -> int:
-        """Links handed over and not closed yet."""
-        with self._cond:
-            return len(self._queue) + (self._closing is not None)
-
     def wait_idle(self, timeout: float) -> bool:
         """Wait until every link handed over is closed (or kept for a retry past
         ``timeout``); True if none is left."""

@@ -142,10 +142,6 @@ class BootstrapServer:
         """Connections closed at accept because ``max_clients`` were open."""
         return self._refused
 
-    def register(self, message: object) -> None:
-        """A DP rank's registration (as ``POST /register`` takes it)."""
-        self._answer.register(message)
-
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self._connections) >= self._max_clients:
             self._refused += 1
@@ -165,8 +161,8 @@ class BootstrapServer:
     async def _answer_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Read one request (whole within the header deadline) and answer it."""
         try:
-            method, path, headers, body = await asyncio.wait_for(self._read(reader, writer), self._timeout_s)
-            status, answer = self._route(method, path, headers, body, writer)
+            method, path, body = await asyncio.wait_for(self._read(reader), self._timeout_s)
+            status, answer = self._route(method, path, body, writer)
         except _BadRequest as exc:
             status, answer = exc.status, {"error": str(exc)}
         data = json.dumps(answer).encode()
@@ -174,7 +170,8 @@ class BootstrapServer:
                      f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
         await writer.drain()
 
-    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    async def _read(self, reader: asyncio.StreamReader) -> Tuple[str, str, bytes]:
+        """(method, path without its query, body) of one request."""
         head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
         parts = head[0].split(" ")
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
@@ -190,9 +187,9 @@ class BootstrapServer:
             if not length.isdigit() or not 0 < int(length) <= MAX_REGISTRATION_BYTES:
                 raise _BadRequest(400, f"a registration is 1-{MAX_REGISTRATION_BYTES} bytes")
             body = await reader.readexactly(int(length))
-        return parts[0], parts[1].split("?", 1)[0], headers, body
+        return parts[0], parts[1].split("?", 1)[0], body
 
-    def _route(self, method: str, path: str, headers: dict, body: bytes,
+    def _route(self, method: str, path: str, body: bytes,
                writer: asyncio.StreamWriter) -> Tuple[int, dict]:
         if method == "GET" and path == "/query":
             return 200, self._answer.snapshot()
