@@ -20,7 +20,8 @@ from typing import Dict, Iterable
 
 from tiers import FULL_ONLY_SECONDS, GATE_SECONDS
 
-NETNS_MODULES = {"test_decode_links.py", "test_demo.py", "test_partition.py", "test_three_hosts.py"}
+NETNS_MODULES = {"test_decode_links.py", "test_demo.py", "test_late_writes.py", "test_partition.py",
+                 "test_three_hosts.py"}
 # test_three_hosts starts vLLM engines on three emulated hosts; test_vllm_mla three
 # engines, one at TP 2: beside test_sglang_swa's late servers, the kernel's OOM killer
 # ended one of its engines (a full pre-run on 2026-11-29, 23 GiB)

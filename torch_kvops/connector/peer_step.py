@@ -33,7 +33,7 @@ import numpy as np
 from ..plan import KVLayout, layer_descriptors
 from .config import ConnectorConfig
 from .digest_pipeline import DigestPipeline
-from .ledger import ConnectorStats, RequestLedger
+from .ledger import HOLD_POLL_S, ConnectorStats, RequestLedger
 from .peer import PeerFailed, PeerLink
 
 if TYPE_CHECKING:
@@ -250,14 +250,12 @@ class PeerStep:
         if src.size:
             descriptors = layer_descriptors(self._layout.layers[layer], peer.layout.layers[layer], src, dst)
             try:
-                retries, staged_at = peer.write_layer(layer, src, dst, *descriptors, prefetch=prefetch)
+                _, staged_at = peer.write_layer(layer, src, dst, *descriptors, prefetch=prefetch)
             except PeerFailed as exc:
                 self._fail(str(exc))
                 return
             if staged_at is not None:
                 self.staged[layer] = staged_at
-            if retries:
-                self._step.retried_peers.add(peer.peer_id)
         self.landed[layer] = time.perf_counter()
         if peer.digester is not None:  # integrity check: digested on the digest worker
             if not self._windowed:  # the usual case: every block of every request
@@ -277,7 +275,22 @@ class PeerStep:
         self._drop_aborted()
         layers = self._layout.layers
         self._digests.send_ready(peer, self._step.failed_peers, wait=True)  # before chunk notices
+        # A "last" notice lets the consumer hand the request's blocks to its engine, so
+        # it goes out only once no transfer a failed or timed-out write to this peer
+        # left behind still runs (one may land late, with whatever its source then
+        # holds, Mooncake#4247). One still running after quarantine_s fails the request
+        # instead: the consumer fences its blocks until no write of it can land.
+        settled = (self._failed is not None or not any(req.last_chunk for req, _, _ in self._entries)
+                   or self._left_behind_writes_ended(self._config.quarantine_s))
         for req, src, dst in self._entries:
+            if self._failed is None and req.last_chunk and not settled:
+                log.warning("request %s to %s: transfers of a failed write still run after "
+                            "quarantine_s (%.1f s); failed, not finished", req.req_id, peer.peer_id,
+                            self._config.quarantine_s)
+                peer.notify_failed(req.req_id, "transfers of a failed write still run")
+                self._stats.add(failed_push=1)
+                self._ledger.report(req.req_id, ok=False, hold=peer.quarantine())
+                continue
             if self._failed is None:
                 try:
                     moved = sum((src.size - req.first_block(i)) * layer.block_bytes
@@ -287,14 +300,23 @@ class PeerStep:
                     peer.send({"op": "chunk", "req": req.req_id, "last": req.last_chunk,
                                "bytes": int(moved), "dst": dst.tolist()})
                     if req.last_chunk:
-                        # a retried write's first attempt may still read its source
-                        self._ledger.report(req.req_id, ok=True, hold=peer.quarantine())
+                        self._ledger.report(req.req_id, ok=True)
                     continue
                 except PeerFailed as exc:
                     self._fail(str(exc))
             peer.notify_failed(req.req_id, self._failed)
             self._stats.add(failed_push=1)
             self._ledger.report(req.req_id, ok=False, hold=peer.quarantine())
+
+    def _left_behind_writes_ended(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until no transfer a failed or timed-out write to the
+        peer left behind still runs (by the transport's tracking); False if one still
+        does, or the connector closes first."""
+        deadline = time.monotonic() + timeout_s
+        while self.peer.writes_may_be_in_flight():
+            if time.monotonic() >= deadline or self._stop.wait(HOLD_POLL_S):
+                return False
+        return True
 
     def _drop_aborted(self) -> None:
         """Requests the engine aborted (abort()): no write of theirs starts from now;

@@ -38,7 +38,6 @@ class _Step:
     plan: StepPlan
     done: threading.Event = field(default_factory=threading.Event)
     failed_peers: Dict[str, Optional[str]] = field(default_factory=dict)
-    retried_peers: Set[str] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
 
 

@@ -36,6 +36,7 @@ class NetnsHost:
         self._outside = f"kvh{os.getpid() % 10000}x{index}"
         net = f"198.18.{200 + index}"
         self.address, self.gateway = f"{net}.2", f"{net}.1"
+        self._classes = False  # hold_back's classes are in place
         check_prerequisites()  # root, ip and tc: a clear error, never a fallback
         remove_stale_namespaces()  # a killed run's host would hold this address
         holder = _interface_with(self.gateway)
@@ -69,7 +70,29 @@ class NetnsHost:
         run_tool(["tc", "qdisc", "replace", "dev", self._outside, "root", "tbf", "rate",
                   f"{int(bit_s)}bit", "burst", str(16 << 10), "latency", "2s"])
 
+    def hold_back(self, match: str, ports) -> None:
+        """Drop the TCP packets sent to the namespace whose ``match`` port (``"dport"``
+        or ``"sport"``) is one of ``ports``, and pass the rest: one connection (a
+        Mooncake lane) stalls while the others between the same hosts move. Replaces
+        what an earlier call held back; :meth:`heal` ends it."""
+        if match not in ("dport", "sport"):
+            raise ValueError(f"match must be 'dport' or 'sport', got {match!r}")
+        dev = self._outside
+        if not self._classes:  # once: replacing them would let held packets through meanwhile
+            run_tool(["tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "10"])
+            for classid in ("1:10", "1:20"):  # 1:10 passes, 1:20 drops (its bucket takes no packet)
+                run_tool(["tc", "class", "add", "dev", dev, "parent", "1:", "classid", classid,
+                          "htb", "rate", "10gbit"])
+            run_tool(["tc", "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", *_DROP_ALL])
+            self._classes = True
+        else:
+            run_tool(["tc", "filter", "del", "dev", dev, "parent", "1:"])
+        for port in ports:
+            run_tool(["tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+                      "u32", "match", "ip", match, str(int(port)), "0xffff", "flowid", "1:20"])
+
     def heal(self) -> None:
+        self._classes = False
         run_tool(["tc", "qdisc", "del", "dev", self._outside, "root"], check=False)
         run_tool(["tc", "-n", self.name, "qdisc", "del", "dev", "eth0", "root"], check=False)
 
