@@ -22,7 +22,8 @@ def decode_side(pipe):
     conn.register_kv_caches(caches)
     pipe.send(conn.peer_info())
     req_id, dst_blocks = pipe.recv()
-    conn.expect(req_id)
+    conn.expect(req_id)  # before the push: a push for an id nobody expected is refused
+    pipe.send("expected")
     finished = set()
     while req_id not in finished:
         done, failed = conn.get_finished()
@@ -50,6 +51,7 @@ def main():
         peer = conn.add_peer(info)
         src_blocks, dst_blocks = [4, 5, 6, 7, 30], [90, 91, 92, 93, 11]
         pipe.send(("req-1", dst_blocks))
+        assert pipe.recv() == "expected"  # as an engine's decode side asks for the KV it awaits
         conn.start_step([TransferRequest("req-1", peer, src_blocks, dst_blocks)])
         x = torch.randn(len(src_blocks), *BLOCK_SHAPE)
         for layer, cache in enumerate(caches):  # the "model"

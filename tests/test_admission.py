@@ -53,10 +53,15 @@ def _outcome(conn, req_id, timeout=10.0):
     raise AssertionError(f"{req_id} not reported by the producer within {timeout} s")
 
 
-@pytest.mark.parametrize("wait_s", [1.0, None], ids=["held_then_rejected", "control_admitted"])
+@pytest.mark.parametrize("wait_s", [1.0, None, "unsolicited"],
+                         ids=["held_then_rejected", "default_rejected", "control_opted_in"])
 def test_a_begin_for_a_request_nobody_expected_writes_nothing(producer, wait_s):
+    """By default (nothing set, as a new user of the core starts) too; the control
+    opts in to unsolicited pushes (``accept_unsolicited_pushes``) and the bytes land."""
     conn, caches = producer
-    consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, begin_waits_for_expect_s=wait_s, **FAST)
+    settings = ({"accept_unsolicited_pushes": True} if wait_s == "unsolicited"
+                else {} if wait_s is None else {"begin_waits_for_expect_s": wait_s})
+    consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, **settings, **FAST)
     try:
         peer = conn.add_peer(consumer.info)
         started = time.monotonic()
@@ -64,11 +69,11 @@ def test_a_begin_for_a_request_nobody_expected_writes_nothing(producer, wait_s):
         ok = _outcome(conn, "stranger")
         received = consumer.call("caches")
         landed = [bool((received[layer][[5, 6]] != UNTOUCHED).any()) for layer in range(LAYERS)]
-        if wait_s is None:
+        if wait_s == "unsolicited":
             assert ok and all(landed), "the control: an unexpected request's bytes land"
             return
         assert not ok and not any(landed), "bytes of a request the consumer never expected landed"
-        assert time.monotonic() - started >= wait_s  # held that long first
+        assert time.monotonic() - started >= (wait_s or 0.0)  # held that long first
         assert consumer.call("stats")["failed_begin_unexpected"] == 1
     finally:
         consumer.stop()
@@ -154,3 +159,5 @@ def test_the_wait_must_be_shorter_than_the_producers_answer_timeout():
         ConnectorConfig(begin_timeout_s=1.0, begin_waits_for_expect_s=1.5)
     with pytest.raises(ValueError, match="begin_waits_for_expect_s"):  # no begin_timeout_s
         ConnectorConfig(transfer_timeout_s=1.0, begin_waits_for_expect_s=1.5)
+    with pytest.raises(ValueError, match="accept_unsolicited_pushes"):  # no wait means: opt in by name
+        ConnectorConfig(begin_waits_for_expect_s=None)

@@ -18,7 +18,10 @@ pytestmark = [pytest.mark.process]
 
 LAYERS, BLOCKS, BLOCK_SHAPE = 2, 32, (2, 8, 16)  # 1 KiB blocks
 FAST = dict(transfer_timeout_s=3.0, max_retries=1, retry_backoff_s=0.02, lease_s=10.0,
-            control_timeout_s=2.0, quarantine_s=0.1)
+            control_timeout_s=2.0, quarantine_s=0.1,
+            # these consumers take pushes they were not told to expect unless a test
+            # expects; the default (refused) is tests/test_admission.py's
+            accept_unsolicited_pushes=True)
 
 
 def make_producer(**config):

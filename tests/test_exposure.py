@@ -20,7 +20,10 @@ pytestmark = [pytest.mark.process]
 
 LAYERS, BLOCKS, BLOCK_SHAPE = 2, 8, (2, 4, 16)
 SECRET = 1.25  # P's cache holds this in every element
-FAST = dict(transfer_timeout_s=3.0, max_retries=1, lease_s=10.0, control_timeout_s=2.0)
+FAST = dict(transfer_timeout_s=3.0, max_retries=1, lease_s=10.0, control_timeout_s=2.0,
+            # these consumers take pushes they were not told to expect unless a test
+            # expects; the default (refused) is tests/test_admission.py's
+            accept_unsolicited_pushes=True)
 
 
 def _producer(expose_anyway: bool):

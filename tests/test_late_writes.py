@@ -11,6 +11,7 @@ held back with ``tc`` (``NetnsHost.hold_back``) until the orphans are known, the
 the orphans' lanes stay held. As soon as P reports the request, the test reuses its
 source blocks (writes 99.0 into them, as the engine would); the lanes recover after.
 Real producer connector and consumer process over the real Mooncake engine."""
+import contextlib
 import subprocess
 import time
 from collections import Counter
@@ -55,13 +56,11 @@ def _outcome(conn, req_id, timeout_s=30.0):
     raise AssertionError(f"{req_id}: no outcome on P within {timeout_s} s")
 
 
-def _push_with_a_held_lane(quarantine_s, heal_after_retry_s=None, wait_for_orphans=True,
-                           monkeypatch=None):
-    """Push one request while its first write's transfers stay held back. Returns (P
-    finished it, D finished it, D's blocks equal the bytes P held when it pushed)."""
-    if not wait_for_orphans:  # P before this issue: a last chunk while orphans run
-        monkeypatch.setattr(PeerStep, "_left_behind_writes_ended", lambda self, timeout_s: True)
-    config = dict(CONFIG, quarantine_s=quarantine_s)
+@contextlib.contextmanager
+def _held_pair(config):
+    """D on an emulated host, P here, one request pushed so that the lanes are open.
+    Yields (host, consumer, transport, conn, push, lane port); ``push(req_id)`` starts
+    a step for the request with fresh source bytes and returns them."""
     with NetnsHost(index=5) as host:
         consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, host=host, **config)
         transport = MooncakeTransport(host="127.0.0.1")
@@ -87,40 +86,50 @@ def _push_with_a_held_lane(quarantine_s, heal_after_retry_s=None, wait_for_orpha
             handshake = int(consumer.info["data_address"].rsplit(":", 1)[1])
             lane_port = Counter(p for _, _, p in _connections(host.address)
                                 if p not in (control, handshake)).most_common(1)[0][0]
-
-            host.hold_back("dport", [lane_port])
-            pushed = push("A")
-            deadline = time.monotonic() + 10
-            while transport.outstanding() == 0:  # the first write timed out: orphans
-                assert time.monotonic() < deadline, "the held write never timed out"
-                time.sleep(0.005)
-            orphaned = time.monotonic()
-            held = [local for unacked, local, remote in _connections(host.address)
-                    if remote == lane_port and unacked > 0]
-            assert held, "no lane holds the timed-out write's bytes"
-            host.hold_back("sport", held)  # the retry (after retry_backoff_s) moves on a free lane
-            if heal_after_retry_s is not None:
-                time.sleep(CONFIG["retry_backoff_s"] + heal_after_retry_s - (time.monotonic() - orphaned))
-                host.heal()
-            p_finished = _outcome(conn, "A")
-            for cache in caches:  # the engine reuses the source blocks at once
-                cache[SRC] = REUSED
-            conn.wait_for_save(timeout=30)
-            time.sleep(0.5)
-            host.heal()
-            deadline = time.monotonic() + 35
-            while transport.outstanding():
-                assert time.monotonic() < deadline, "the orphans never ended"
-                time.sleep(0.01)
-            finished, failed, _ = consumer.call("wait", ["A"], 30.0)
-            assert "A" in finished | failed, "D never reported the request"
-            received = consumer.call("caches")
-            exact = all(np.array_equal(received[layer][DST], pushed[layer].numpy()) for layer in range(LAYERS))
-            return p_finished, "A" in finished, exact
+            yield host, consumer, transport, conn, caches, push, lane_port
         finally:
             conn.close()
             transport.close()
             consumer.stop()
+
+
+def _push_with_a_held_lane(quarantine_s, heal_after_retry_s=None, wait_for_orphans=True,
+                           monkeypatch=None):
+    """Push one request while its first write's transfers stay held back. Returns (P
+    finished it, D finished it, D's blocks equal the bytes P held when it pushed)."""
+    if not wait_for_orphans:  # P before this issue: a last chunk while orphans run
+        monkeypatch.setattr(PeerStep, "_left_behind_writes_ended", lambda self, timeout_s: True)
+    with _held_pair(dict(CONFIG, quarantine_s=quarantine_s)) as (host, consumer, transport, conn,
+                                                                 caches, push, lane_port):
+        host.hold_back("dport", [lane_port])
+        pushed = push("A")
+        deadline = time.monotonic() + 10
+        while transport.outstanding() == 0:  # the first write timed out: orphans
+            assert time.monotonic() < deadline, "the held write never timed out"
+            time.sleep(0.005)
+        orphaned = time.monotonic()
+        held = [local for unacked, local, remote in _connections(host.address)
+                if remote == lane_port and unacked > 0]
+        assert held, "no lane holds the timed-out write's bytes"
+        host.hold_back("sport", held)  # the retry (after retry_backoff_s) moves on a free lane
+        if heal_after_retry_s is not None:
+            time.sleep(CONFIG["retry_backoff_s"] + heal_after_retry_s - (time.monotonic() - orphaned))
+            host.heal()
+        p_finished = _outcome(conn, "A")
+        for cache in caches:  # the engine reuses the source blocks at once
+            cache[SRC] = REUSED
+        conn.wait_for_save(timeout=30)
+        time.sleep(0.5)
+        host.heal()
+        deadline = time.monotonic() + 35
+        while transport.outstanding():
+            assert time.monotonic() < deadline, "the orphans never ended"
+            time.sleep(0.01)
+        finished, failed, _ = consumer.call("wait", ["A"], 30.0)
+        assert "A" in finished | failed, "D never reported the request"
+        received = consumer.call("caches")
+        exact = all(np.array_equal(received[layer][DST], pushed[layer].numpy()) for layer in range(LAYERS))
+        return p_finished, "A" in finished, exact
 
 
 def test_orphans_that_outlive_the_quarantine_fail_the_request_on_both_sides():
@@ -139,3 +148,30 @@ def test_negative_control_a_last_chunk_sent_while_orphans_run_lets_the_reused_so
     p_finished, d_finished, exact = _push_with_a_held_lane(quarantine_s=0.3, wait_for_orphans=False,
                                                            monkeypatch=monkeypatch)
     assert d_finished and not exact
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["stops", "control_retries_anyway"])
+def test_no_write_starts_after_the_consumer_dropped_the_session(monkeypatch, check):
+    """D drops P's session (a malformed message on it, as it would for any fault of that
+    producer) while P's first write of a layer is held back: P starts no retry after
+    that (issue 58, item 6), where it used to retry the layer into blocks D fenced. The
+    control skips P's checks (its channel, its lease) before each attempt."""
+    from torch_kvops.connector.peer import PeerLink
+    if not check:
+        monkeypatch.setattr(PeerLink, "check_write_lease", lambda self, what: None)
+    config = dict(CONFIG, quarantine_s=0.3, max_retries=3, retry_backoff_s=0.2)
+    with _held_pair(config) as (host, consumer, transport, conn, caches, push, lane_port):
+        host.hold_back("dport", [lane_port])
+        errors = conn.stats()["transport_errors"]
+        push("A")
+        time.sleep(0.3)  # the write is on the held lanes
+        link = conn._side._peers[next(iter(conn._side._peers))]
+        link.control.send({"op": "scatter", "layer": 99, "slot": 0, "dst": [1]})  # D drops it
+        assert not _outcome(conn, "A")
+        attempts = conn.stats()["transport_errors"] - errors
+        conn.wait_for_save(timeout=30)
+        host.heal()
+        if check:
+            assert attempts == 1, f"{attempts} write attempts; none may start after the drop"
+        else:
+            assert attempts == config["max_retries"] + 1

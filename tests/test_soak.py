@@ -28,7 +28,8 @@ LAYERS, SRC_BLOCKS, DST_BLOCKS, BLOCK_SHAPE = 2, 512, 6144, (2, 8, 16)  # 1 KiB 
 ALIVE_POOL = 512  # the live consumer's destination blocks, reused once reported
 CONFIG = dict(transfer_timeout_s=5.0, max_retries=1, retry_backoff_s=0.02, lease_s=30.0,
               control_timeout_s=5.0, quarantine_s=0.2, staging_slot_bytes=64 << 10,
-              staging_slots=3)
+              staging_slots=3,
+              accept_unsolicited_pushes=True)  # the soak pushes without expect() (test_admission.py)
 # A leak of one fd, one thread or ~50 KiB per step over the 160 measured steps would
 # exceed these; allocator noise does not.
 FD_SLACK, THREAD_SLACK, RSS_SLACK_KIB = 4, 2, 8 << 10

@@ -49,10 +49,13 @@ class ConnectorConfig:
     # this long after the request was first expected
     max_wait_s: float = 300.0
     control_timeout_s: float = 5.0  # connect/send on the control channel
-    # consumer: None, a begin may start requests nobody expected; a number, a begin
-    # naming such a request is answered once expect() names it, at most this long
-    # after, and rejects it then (consumer_admission.py). Below begin_timeout_s.
-    begin_waits_for_expect_s: Optional[float] = None
+    # consumer: a begin naming a request nobody expected is answered once expect()
+    # names it, at most this long after, and rejects it then (consumer_admission.py),
+    # so a producer with a stale or wrong id writes nothing. Below begin_timeout_s.
+    begin_waits_for_expect_s: float = 0.0
+    # consumer: True lets a begin start requests nobody expected (a caller that never
+    # calls expect()): any producer holding the secret then writes where it names
+    accept_unsolicited_pushes: bool = False
     # producer: how long it waits for the answer to a begin, which a consumer may hold
     # up to its begin_waits_for_expect_s (its engine may be a few steps behind); None:
     # transfer_timeout_s. The engine adapters, whose consumers hold, set 15 s.
@@ -90,10 +93,11 @@ class ConnectorConfig:
         if self.fence_drain_s < 0:
             raise ValueError(f"fence_drain_s must be >= 0, got {self.fence_drain_s}")
         wait = self.begin_waits_for_expect_s
-        if wait is not None and not 0 <= wait < self.begin_answer_timeout_s:
-            raise ValueError(f"begin_waits_for_expect_s must be None or in [0, begin_timeout_s="
+        if wait is None or not 0 <= wait < self.begin_answer_timeout_s:
+            raise ValueError(f"begin_waits_for_expect_s must be in [0, begin_timeout_s="
                              f"{self.begin_answer_timeout_s}) (the producer waits that long for an "
-                             f"answer), got {wait!r}")
+                             f"answer), got {wait!r}; accept_unsolicited_pushes=True lets a begin "
+                             f"start requests nobody expected")
         detach = self.detach_slow_lanes_after_s
         if detach is not None and not 0 <= detach < float("inf"):
             raise ValueError(f"detach_slow_lanes_after_s must be None or a number >= 0, got {detach!r}")

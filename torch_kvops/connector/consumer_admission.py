@@ -1,14 +1,14 @@
 """The consumer's admission of ``begin``: which requests a producer may start writing.
 
-By default (``ConnectorConfig.begin_waits_for_expect_s`` None) a ``begin`` may start a
-request the consumer was never told to expect, for callers that skip ``expect()``. A
-consumer whose engine expects every request it receives (the vLLM integration) sets
-it: a begin naming a request nobody expected is then not answered until ``expect()``
-names it (the engine learns of a request it asked for a little after its producer
-may: a post travels faster than the engine's next step), at most that long, and a
-request still unknown then is rejected, so its producer writes nothing. Without it,
-a producer with a stale or wrong id would write into blocks the engine gave to some
-other request. Every wait here is on the control thread's tick; the producer waits
+A begin naming a request nobody expected is not answered until ``expect()`` names it,
+at most ``ConnectorConfig.begin_waits_for_expect_s`` (0 by default: the next tick of
+the control thread; the engine adapters wait 10 s, since an engine learns of a request
+it asked for a little after its producer may: a post travels faster than the engine's
+next step), and a request still unknown then is rejected, so its producer writes
+nothing. Without it, a producer with a stale or wrong id would write into blocks the
+engine gave to some other request. ``accept_unsolicited_pushes=True`` lets a begin
+start a request the consumer was never told to expect, for callers that skip
+``expect()``. Every wait here is on the control thread's tick; the producer waits
 for the answer (its own timeout, ``begin_timeout_s``, must be longer). The write lease
 granted with the answer counts the hold as well: the producer counts its lease from
 before it sent the begin.
@@ -54,7 +54,7 @@ class BeginAdmission:
 
     def _admit_begin(self, message: dict, session: Session) -> None:
         """Answer a begin now, or hold it while it names requests not yet expected."""
-        if self._config.begin_waits_for_expect_s is None:
+        if self._config.accept_unsolicited_pushes:
             self._answer_begin(message, session, [])
             return
         with self._ledger.lock:

@@ -114,13 +114,15 @@ class PeerLink:
             log.warning("failure notice for %s not delivered to %s: %s", req_id, self.peer_id, self.dead)
 
     def check_write_lease(self, what: str) -> None:
-        """Refuse to start a write (or a scatter) once the step's write lease ended by
-        this side's clock: the consumer may have given the blocks back to its engine.
-        Fails the step for this peer without marking it dead."""
+        """Refuse a write, retry or scatter once the step's write lease ended by this
+        side's clock (the step fails for this peer) or the consumer closed the channel
+        (died, or dropped this session: the peer is dead): it may have freed the blocks."""
         if time.monotonic() >= self.write_until:
             self._stats.add(write_lease_ended=1)
             raise PeerFailed(f"write lease ended before {what}: the consumer may have released "
                              f"the blocks")
+        if self.control.peer_closed():
+            raise self.give_up(f"peer closed its control channel before {what} (gone, or dropped us)")
 
     def writes_may_be_in_flight(self) -> bool:
         """True while transfers that failed or timed-out writes to this peer left behind
@@ -213,8 +215,6 @@ class PeerLink:
         same blocks (one step): its first slots are gathered while this layer's last
         slots are on the wire. Returns (retries made, when the last slot was staged or
         None on the direct path)."""
-        if self.control.peer_closed():
-            raise self.give_up("peer closed its control channel (process gone?)")
         fragmented = lengths.size > 1 and lengths.mean() < self._config.staging_threshold_bytes
         if self.staging is not None and (self.stage_every_layer or fragmented):
             try:
