@@ -419,7 +419,8 @@ MALFORMED_BEGINS = {
 @pytest.mark.parametrize("case", sorted(MALFORMED_BEGINS) + ["control_well_formed"])
 def test_a_malformed_begin_held_for_admission_drops_only_its_own_session(producer, case):
     conn, caches = producer
-    consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, begin_waits_for_expect_s=0.2, **FAST)
+    consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE,
+                               **dict(FAST, begin_waits_for_expect_s=0.2, accept_unsolicited_pushes=False))
     try:
         peer = conn.add_peer(consumer.info)  # a good producer, connected before
         intruder = ControlClient(consumer.info["control_address"], timeout_s=5.0, retries=0)

@@ -43,7 +43,10 @@ UNTOUCHED = -7.0  # consumer's initial value
 STALE = 1.0  # producer's initial value: what a send without the event wait would ship
 CONFIG = dict(transfer_timeout_s=5.0, max_retries=1, retry_backoff_s=0.02, lease_s=30.0,
               control_timeout_s=5.0, quarantine_s=0.1, event_timeout_s=30.0,
-              step_timeout_s=60.0)
+              step_timeout_s=60.0,
+              # these consumers take pushes they were not told to expect (not run since
+              # the core's default became refusing them: tests/test_admission.py)
+              accept_unsolicited_pushes=True)
 SAVE_TIMEOUT_S = 60.0  # every wait below is bounded
 CONSUMER_WAIT_S = 30.0
 

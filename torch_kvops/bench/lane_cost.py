@@ -45,6 +45,7 @@ def run(layers: int = 16, blocks: int = 8, block_floats: int = 1024, steps: int 
                 conn, req_id = conns[mode], f"{mode}-{i}"
                 src = rng.choice(pool, blocks, replace=False).tolist()
                 dst = rng.choice(pool, blocks, replace=False).tolist()
+                consumers[mode].call("expect", [req_id])  # not timed
                 t0 = time.perf_counter()
                 conn.start_step([TransferRequest(req_id, peers[mode], src, dst)])
                 for layer, cache in enumerate(caches):

@@ -53,6 +53,7 @@ def run(layers: int = 16, blocks: int = 32, block_floats: int = 32768, rounds: i
                 for mode in (("with_metrics", "without") if i % 2 else ("without", "with_metrics")):
                     src = rng.choice(pool, blocks, replace=False).tolist()
                     dst = rng.choice(pool, blocks, replace=False).tolist()
+                    consumer.call("expect", [f"{mode}-{i}"])  # not timed
                     t0 = time.perf_counter()
                     conn.start_step([TransferRequest(f"{mode}-{i}", peer, src, dst)])
                     for layer, cache in enumerate(caches):
