@@ -22,7 +22,7 @@ import torch
 
 from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, TransferRequest
 from torch_kvops.testing.consumer_process import ConsumerProcess
-from torch_kvops.testing.pushes import push_step
+from torch_kvops.testing.pushes import producer_outcome, push_step
 
 pytestmark = [pytest.mark.process]
 
@@ -43,16 +43,6 @@ def producer(request):
     transport.close()
 
 
-def _outcome(conn, req_id, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, failed = conn.get_finished()
-        if req_id in done | failed:
-            return req_id in done
-        time.sleep(0.01)
-    raise AssertionError(f"{req_id} not reported by the producer within {timeout} s")
-
-
 @pytest.mark.parametrize("wait_s", [1.0, None, "unsolicited"],
                          ids=["held_then_rejected", "default_rejected", "control_opted_in"])
 def test_a_begin_for_a_request_nobody_expected_writes_nothing(producer, wait_s):
@@ -66,7 +56,7 @@ def test_a_begin_for_a_request_nobody_expected_writes_nothing(producer, wait_s):
         peer = conn.add_peer(consumer.info)
         started = time.monotonic()
         push_step(conn, caches, [TransferRequest("stranger", peer, [1, 2], [5, 6])])
-        ok = _outcome(conn, "stranger")
+        ok = producer_outcome(conn, "stranger")
         received = consumer.call("caches")
         landed = [bool((received[layer][[5, 6]] != UNTOUCHED).any()) for layer in range(LAYERS)]
         if wait_s == "unsolicited":
@@ -144,7 +134,7 @@ def test_a_begin_ahead_of_the_engines_expect_waits_for_it_and_lands(producer, be
         for layer, cache in enumerate(caches):
             conn.save_kv_layer(layer, cache)
         conn.wait_for_save(timeout=30)
-        assert _outcome(conn, "late")
+        assert producer_outcome(conn, "late")
         finished, failed, _ = consumer.call("wait", ["late"], 10.0)
         assert finished == {"late"} and not failed
         received = consumer.call("caches")

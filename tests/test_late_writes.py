@@ -24,6 +24,7 @@ from torch_kvops import ConnectorConfig, LayerwiseConnector, MooncakeTransport, 
 from torch_kvops.connector.peer_step import PeerStep
 from torch_kvops.testing.consumer_process import ConsumerProcess
 from torch_kvops.testing.netns_host import NetnsHost
+from torch_kvops.testing.pushes import producer_outcome
 
 pytestmark = [pytest.mark.netns]
 
@@ -44,16 +45,6 @@ def _connections(address):
         _recv_q, send_q, local, remote = line.split()[:4]
         rows.append((int(send_q), int(local.rsplit(":", 1)[1]), int(remote.rsplit(":", 1)[1])))
     return rows
-
-
-def _outcome(conn, req_id, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        done, failed = conn.get_finished()
-        if req_id in done | failed:
-            return req_id in done
-        time.sleep(0.005)
-    raise AssertionError(f"{req_id}: no outcome on P within {timeout_s} s")
 
 
 @contextlib.contextmanager
@@ -80,7 +71,7 @@ def _held_pair(config):
                 return [cache[SRC].clone() for cache in caches]
 
             push("warm-up")  # opens the lanes, so the test knows their port
-            assert _outcome(conn, "warm-up")
+            assert producer_outcome(conn, "warm-up", 30.0)
             conn.wait_for_save(timeout=30)
             control = int(consumer.info["control_address"].rsplit(":", 1)[1])
             handshake = int(consumer.info["data_address"].rsplit(":", 1)[1])
@@ -115,7 +106,7 @@ def _push_with_a_held_lane(quarantine_s, heal_after_retry_s=None, wait_for_orpha
         if heal_after_retry_s is not None:
             time.sleep(CONFIG["retry_backoff_s"] + heal_after_retry_s - (time.monotonic() - orphaned))
             host.heal()
-        p_finished = _outcome(conn, "A")
+        p_finished = producer_outcome(conn, "A", 30.0)
         for cache in caches:  # the engine reuses the source blocks at once
             cache[SRC] = REUSED
         conn.wait_for_save(timeout=30)
@@ -167,7 +158,7 @@ def test_no_write_starts_after_the_consumer_dropped_the_session(monkeypatch, che
         time.sleep(0.3)  # the write is on the held lanes
         link = conn._side._peers[next(iter(conn._side._peers))]
         link.control.send({"op": "scatter", "layer": 99, "slot": 0, "dst": [1]})  # D drops it
-        assert not _outcome(conn, "A")
+        assert not producer_outcome(conn, "A", 30.0)
         attempts = conn.stats()["transport_errors"] - errors
         conn.wait_for_save(timeout=30)
         host.heal()

@@ -2,6 +2,7 @@
 (the layers' KV is written already), wait for the pushes."""
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Sequence
 
 import numpy as np
@@ -17,6 +18,18 @@ def push_step(conn, caches: Sequence[torch.Tensor], requests: Sequence, timeout:
         conn.save_kv_layer(layer, cache)
     conn.wait_for_save(timeout=timeout)
     return refused
+
+
+def producer_outcome(conn, req_id: str, timeout: float = 10.0) -> bool:
+    """Poll producer ``conn`` until it reports ``req_id``: True if finished, False if
+    failed (AssertionError if neither within ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, failed = conn.get_finished()
+        if req_id in done | failed:
+            return req_id in done
+        time.sleep(0.005)
+    raise AssertionError(f"{req_id} not reported by the producer within {timeout} s")
 
 
 def push_and_receive(conn, caches: Sequence[torch.Tensor], consumer, request,
