@@ -150,7 +150,8 @@ def test_no_write_starts_after_the_consumer_dropped_the_session(monkeypatch, che
     from torch_kvops.connector.peer import PeerLink
     if not check:
         monkeypatch.setattr(PeerLink, "check_write_lease", lambda self, what: None)
-    config = dict(CONFIG, quarantine_s=0.3, max_retries=3, retry_backoff_s=0.2)
+    # the first attempt times out 2.7 s after D dropped the session: a slow drop still comes first
+    config = dict(CONFIG, quarantine_s=0.3, max_retries=3, retry_backoff_s=0.2, transfer_timeout_s=3.0)
     with _held_pair(config) as (host, consumer, transport, conn, caches, push, lane_port):
         host.hold_back("dport", [lane_port])
         errors = conn.stats()["transport_errors"]

@@ -55,7 +55,7 @@ GATE_SECONDS: Dict[str, float] = {
     "test_admission.py": 40,
     "test_paged_llama.py": 40,
     "test_partition.py": 35,
-    "test_late_writes.py": 36,  # recorded alone on 2026-12-07, not in the pre-run
+    "test_late_writes.py": 44,  # 36 s in make test-full on 2026-12-07, then 3 s timeouts in one test
     "test_demo.py": 28,
     "test_layer_windows.py": 28,
     "test_mooncake_ports.py": 27,
