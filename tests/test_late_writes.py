@@ -50,7 +50,7 @@ def _connections(address):
 @contextlib.contextmanager
 def _held_pair(config):
     """D on an emulated host, P here, one request pushed so that the lanes are open.
-    Yields (host, consumer, transport, conn, push, lane port); ``push(req_id)`` starts
+    Yields (host, consumer, transport, conn, caches, push, lane port); ``push(req_id)`` starts
     a step for the request with fresh source bytes and returns them."""
     with NetnsHost(index=5) as host:
         consumer = ConsumerProcess(LAYERS, BLOCKS, BLOCK_SHAPE, host=host, **config)
@@ -146,10 +146,11 @@ def test_no_write_starts_after_the_consumer_dropped_the_session(monkeypatch, che
     """D drops P's session (a malformed message on it, as it would for any fault of that
     producer) while P's first write of a layer is held back: P starts no retry after
     that (issue 58, item 6), where it used to retry the layer into blocks D fenced. The
-    control skips P's checks (its channel, its lease) before each attempt."""
-    from torch_kvops.connector.peer import PeerLink
+    control's P never sees its channel close (as testing/producer_process.py's frozen
+    producer)."""
+    from torch_kvops.control import ControlClient
     if not check:
-        monkeypatch.setattr(PeerLink, "check_write_lease", lambda self, what: None)
+        monkeypatch.setattr(ControlClient, "peer_closed", lambda self: False)
     # the first attempt times out 2.7 s after D dropped the session: a slow drop still comes first
     config = dict(CONFIG, quarantine_s=0.3, max_retries=3, retry_backoff_s=0.2, transfer_timeout_s=3.0)
     with _held_pair(config) as (host, consumer, transport, conn, caches, push, lane_port):

@@ -114,15 +114,13 @@ class PeerLink:
             log.warning("failure notice for %s not delivered to %s: %s", req_id, self.peer_id, self.dead)
 
     def check_write_lease(self, what: str) -> None:
-        """Refuse a write, retry or scatter once the step's write lease ended by this
-        side's clock (the step fails for this peer) or the consumer closed the channel
-        (died, or dropped this session: the peer is dead): it may have freed the blocks."""
+        """Refuse to start a write (or a scatter) once the step's write lease ended by
+        this side's clock: the consumer may have given the blocks back to its engine.
+        Fails the step for this peer without marking it dead."""
         if time.monotonic() >= self.write_until:
             self._stats.add(write_lease_ended=1)
             raise PeerFailed(f"write lease ended before {what}: the consumer may have released "
                              f"the blocks")
-        if self.control.peer_closed():
-            raise self.give_up(f"peer closed its control channel before {what} (gone, or dropped us)")
 
     def writes_may_be_in_flight(self) -> bool:
         """True while transfers that failed or timed-out writes to this peer left behind
@@ -229,6 +227,8 @@ class PeerLink:
         attempt = 0
         while True:
             self.check_write_lease(f"layer {layer}'s write")
+            if self.control.peer_closed():  # each attempt: the consumer died or dropped us
+                raise self.give_up(f"peer closed its control channel before layer {layer}'s write")
             try:
                 self._transport.write(self.data_address, src, dst, lengths,
                                       timeout_s=self._config.transfer_timeout_s)
